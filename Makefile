@@ -1,0 +1,26 @@
+# The two commands of the README:
+#   make demo   trains the digits example with ACP-SGD on 2 ranks (horovodrun --gloo)
+#   make test   runs the whole test suite
+# Both install what they need first (.venv, torch, Horovod from PyPI, hvd_acp).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.hvd_acp-installed
+NP ?= 2
+
+.PHONY: install demo test bench-smoke clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py scripts/install.sh
+	bash scripts/install.sh
+	touch $(STAMP)
+
+demo: install
+	OMP_NUM_THREADS=1 $(VENV)/bin/horovodrun -np $(NP) -H localhost:$(NP) --gloo \
+		$(PY) examples/train.py --optimizer acp
+
+test: install
+	$(PY) -m pytest tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,13 @@
+"""hvd_acp: ACP-SGD gradient compression as a drop-in Horovod optimizer.
+
+    optimizer = hvd_acp.DistributedOptimizer(optimizer,
+                                             named_parameters=model.named_parameters())
+"""
+from .compression import Phase
+from .comm import CommStats, Communicator, HorovodCommunicator, LocalCommunicator
+from .optimizer import DistributedOptimizer
+
+__version__ = "0.1.0"
+
+__all__ = ["DistributedOptimizer", "Phase", "CommStats", "Communicator",
+           "HorovodCommunicator", "LocalCommunicator", "__version__"]

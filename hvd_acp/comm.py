@@ -1,0 +1,168 @@
+"""Communication: the one module that talks to Horovod.
+
+The optimizer and the reducer only see the small :class:`Communicator`
+interface. :class:`HorovodCommunicator` runs named asynchronous Horovod
+all-reduces (Gloo, MPI or NCCL, whatever Horovod was built with);
+:class:`LocalCommunicator` is the world-size-1 path used by single-process
+unit tests and needs no ``hvd.init()``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import pickle
+from typing import Any, List
+
+import torch
+from torch import Tensor
+
+__all__ = ["CommStats", "Communicator", "HorovodCommunicator", "LocalCommunicator"]
+
+
+@dataclasses.dataclass
+class CommStats:
+    """Counters of what this rank submitted to all-reduce.
+
+    Attributes:
+        allreduces: number of all-reduce operations launched.
+        bytes_sent: payload bytes handed to all-reduce (after wire
+            compression such as fp16), i.e. what this rank contributes.
+    """
+
+    allreduces: int = 0
+    bytes_sent: int = 0
+
+    def reset(self) -> None:
+        self.allreduces = 0
+        self.bytes_sent = 0
+
+
+class Communicator:
+    """Interface between the reducer and a collective-communication backend."""
+
+    def __init__(self) -> None:
+        self.stats = CommStats()
+
+    def size(self) -> int:
+        raise NotImplementedError
+
+    def rank(self) -> int:
+        raise NotImplementedError
+
+    def allreduce_async_(self, tensor: Tensor, name: str) -> Any:
+        """Start reducing ``tensor`` in place across ranks; returns a handle."""
+        raise NotImplementedError
+
+    def synchronize(self, handle: Any) -> None:
+        """Wait for ``handle``; afterwards its tensor holds the result."""
+        raise NotImplementedError
+
+    def allgather_object(self, obj: Any, name: str) -> List[Any]:
+        """Every rank's ``obj``, in rank order (a blocking collective)."""
+        raise NotImplementedError
+
+    def _count(self, tensor: Tensor) -> None:
+        self.stats.allreduces += 1
+        self.stats.bytes_sent += tensor.numel() * tensor.element_size()
+
+
+class LocalCommunicator(Communicator):
+    """A world of one process: reductions are the identity (times the scale).
+
+    Args:
+        scale: factor applied by every reduction, e.g. ``1.0`` for average
+            or sum over one rank.
+    """
+
+    def __init__(self, scale: float = 1.0) -> None:
+        super().__init__()
+        self.scale = scale
+        self.launched: List[str] = []
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+    def allreduce_async_(self, tensor: Tensor, name: str) -> Any:
+        self._count(tensor)
+        self.launched.append(name)
+        return tensor
+
+    def synchronize(self, handle: Any) -> None:
+        if self.scale != 1.0:
+            handle.mul_(self.scale)
+
+    def allgather_object(self, obj: Any, name: str) -> List[Any]:
+        return [obj]
+
+
+@dataclasses.dataclass
+class _Pending:
+    handle: Any
+    target: Tensor
+    sent: Tensor
+    ctx: Any
+
+
+class HorovodCommunicator(Communicator):
+    """Named asynchronous all-reduces through ``horovod.torch``.
+
+    Args:
+        op: ``hvd.Average`` or ``hvd.Sum``.
+        gradient_predivide_factor: as in ``hvd.DistributedOptimizer``: with
+            ``op=hvd.Average`` the sum is scaled by ``1/f`` before and
+            ``f/size`` after the reduction.
+        process_set: the Horovod process set to reduce over.
+        compression: a ``hvd.Compression`` class applied to each fused
+            buffer on the wire (``hvd.Compression.fp16`` sends fp16).
+    """
+
+    def __init__(self, op=None, gradient_predivide_factor: float = 1.0,
+                 process_set=None, compression=None) -> None:
+        super().__init__()
+        import horovod.torch as hvd
+
+        self._hvd = hvd
+        self.op = hvd.Average if op is None else op
+        self.process_set = hvd.global_process_set if process_set is None else process_set
+        self.compression = hvd.Compression.none if compression is None else compression
+        if self.op == hvd.Average:
+            self.prescale = 1.0 / gradient_predivide_factor
+            self.postscale = gradient_predivide_factor
+        else:
+            self.prescale = self.postscale = 1.0
+
+    def size(self) -> int:
+        return self.process_set.size()
+
+    def rank(self) -> int:
+        return self.process_set.rank()
+
+    def allreduce_async_(self, tensor: Tensor, name: str) -> Any:
+        sent, ctx = self.compression.compress(tensor)
+        self._count(sent)
+        handle = self._hvd.allreduce_async_(
+            sent, name=name, op=self.op, prescale_factor=self.prescale,
+            postscale_factor=self.postscale, process_set=self.process_set)
+        return _Pending(handle, tensor, sent, ctx)
+
+    def synchronize(self, handle: _Pending) -> None:
+        self._hvd.synchronize(handle.handle)
+        if handle.sent is not handle.target:
+            handle.target.copy_(self.compression.decompress(handle.sent, handle.ctx))
+
+    def allgather_object(self, obj: Any, name: str) -> List[Any]:
+        # Like hvd.allgather_object, but over this communicator's process set.
+        payload = pickle.dumps(obj)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        sizes = self._hvd.allgather(torch.tensor([data.numel()], dtype=torch.int64),
+                                    name=f"{name}.sizes", process_set=self.process_set)
+        gathered = self._hvd.allgather(data, name=f"{name}.data",
+                                       process_set=self.process_set)
+        out, offset = [], 0
+        for size in sizes.tolist():
+            out.append(pickle.load(io.BytesIO(gathered[offset:offset + size].numpy().tobytes())))
+            offset += size
+        return out

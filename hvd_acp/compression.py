@@ -1,0 +1,163 @@
+"""Compression maths of ACP-SGD: pure torch, no Horovod, no CUDA.
+
+A gradient of shape ``shape`` is viewed as a matrix ``M`` of shape (n, m)
+with ``n = shape[0]`` and ``m = numel / n``. ACP-SGD keeps two factors,
+``P`` (n, r) and ``Q`` (m, r), identical on every rank, and a local
+error-feedback residual ``E`` (n, m).
+
+P step (``Q`` from the previous step is orthonormalized into ``Qh``)::
+
+    A   = M + E
+    P_i = A @ Qh                      # sent: n * r elements
+    E   = A - P_i @ Qh.T              # local residual
+    G   = mean_i(P_i) @ Qh.T          # gradient handed to the optimizer
+
+The Q step is the same computation on the transposed matrices with the roles
+of the factors swapped, which is why one function, :func:`compress_`, serves
+both: the caller passes ``M.T`` / ``E.T`` views and ``Ph`` for a Q step.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Dict, Iterable, List, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "Phase",
+    "matrix_shape",
+    "factor_rank",
+    "should_compress",
+    "compute_dtype",
+    "orthonormalize_",
+    "compress_",
+    "reconstruct_",
+    "init_factor",
+]
+
+
+class Phase(enum.Enum):
+    """Which payload a step all-reduces.
+
+    ``P`` and ``Q`` alternate after every optimizer step. ``DENSE`` is the
+    exact averaging of full gradients used during warm-up steps.
+    """
+
+    P = "P"
+    Q = "Q"
+    DENSE = "dense"
+
+    def flipped(self) -> "Phase":
+        """The phase of the next compressed step (``DENSE`` is not flipped)."""
+        if self is Phase.P:
+            return Phase.Q
+        if self is Phase.Q:
+            return Phase.P
+        return self
+
+
+def matrix_shape(shape: Sequence[int]) -> Tuple[int, int]:
+    """(n, m) of the matrix view of a tensor of ``shape``: n = shape[0]."""
+    if len(shape) == 0:
+        return 1, 1
+    n = int(shape[0])
+    numel = 1
+    for s in shape:
+        numel *= int(s)
+    return n, (numel // n if n else 0)
+
+
+def factor_rank(n: int, m: int, matrix_rank: int) -> int:
+    """The rank r of the factors: ``min(matrix_rank, n, m)``."""
+    return max(0, min(matrix_rank, n, m))
+
+
+def should_compress(shape: Sequence[int], matrix_rank: int,
+                    min_compression_rate: float) -> bool:
+    """Whether a tensor of ``shape`` is sent as factors.
+
+    Tensors of fewer than two dimensions are never compressed. A matrix is
+    compressed when ``(n + m) * r * min_compression_rate <= n * m``, i.e. when
+    sending both factors is at least ``min_compression_rate`` times smaller
+    than sending the matrix.
+    """
+    if len(shape) < 2:
+        return False
+    n, m = matrix_shape(shape)
+    r = factor_rank(n, m, matrix_rank)
+    if r == 0:
+        return False
+    return (n + m) * r * min_compression_rate <= n * m
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype in which factors and error feedback of a parameter are kept.
+
+    fp16 and bf16 gradients are compressed in float32: the QR factorization
+    has no half-precision CPU kernel and the error-feedback sum would lose
+    most of its bits in half precision. Other floating dtypes are kept.
+    """
+    if dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    return dtype
+
+
+def init_factor(rows: int, cols: int, generator: torch.Generator,
+                dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A random (rows, cols) factor drawn from ``generator``.
+
+    Drawn on the CPU in float64 so that every rank (and every device type)
+    gets the same values from the same seed, then cast.
+    """
+    out = torch.randn(rows, cols, generator=generator, dtype=torch.float64)
+    return out.to(dtype=dtype, device=device)
+
+
+def orthonormalize_(matrices: Iterable[Tensor]) -> None:
+    """Orthonormalize the columns of each matrix in place.
+
+    Matrices of the same shape, dtype and device are stacked and factorized
+    with one batched reduced QR call, which is much cheaper than one call per
+    matrix for the many same-shaped layers of real models.
+
+    Args:
+        matrices: tensors of shape (k, r) with k >= r; modified in place so
+            that ``M.T @ M == I`` (up to rounding) when ``M`` has full column
+            rank. A zero matrix becomes a fixed orthonormal basis, never NaN.
+    """
+    groups: Dict[tuple, List[Tensor]] = {}
+    for mat in matrices:
+        if mat.numel() == 0:
+            continue
+        groups.setdefault((tuple(mat.shape), mat.dtype, mat.device), []).append(mat)
+    for mats in groups.values():
+        stacked = torch.stack(mats)
+        q, _ = torch.linalg.qr(stacked, mode="reduced")
+        for mat, ortho in zip(mats, q):
+            mat.copy_(ortho)
+
+
+def compress_(grad: Tensor, error: Tensor, basis: Tensor, out: Tensor) -> None:
+    """One half-step of ACP-SGD with error feedback.
+
+    Args:
+        grad: shape (a, b), this rank's gradient matrix (``M`` for a P step,
+            ``M.T`` for a Q step); may be ``None`` for a zero gradient.
+        error: shape (a, b), the residual ``E`` (or ``E.T``); modified in
+            place to hold ``grad + error - out @ basis.T``.
+        basis: shape (b, r), orthonormal columns (``Qh`` or ``Ph``).
+        out: shape (a, r), receives ``(grad + error) @ basis``.
+    """
+    if grad is not None:
+        error.add_(grad)
+    torch.matmul(error, basis, out=out)
+    error.addmm_(out, basis.t(), alpha=-1)
+
+
+def reconstruct_(target: Tensor, factor: Tensor, basis: Tensor) -> None:
+    """Write ``factor @ basis.T`` into ``target`` (shape (a, b)), in place.
+
+    ``target`` may be a transposed view (the Q step writes ``G.T``).
+    """
+    target.addmm_(factor, basis.t(), beta=0, alpha=1)

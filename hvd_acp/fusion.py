@@ -1,0 +1,189 @@
+"""Fusion planning: which tensor goes into which flat buffer, at which offset.
+
+Pure and deterministic: the plan depends only on the parameters' names,
+shapes and dtypes and on the settings, so every rank computes the same plan
+and the same all-reduce names without talking to the others.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .compression import Phase, factor_rank, matrix_shape, should_compress
+
+__all__ = ["TensorLayout", "Slot", "Bucket", "make_layouts", "plan_buckets"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorLayout:
+    """How one parameter's gradient is communicated.
+
+    Attributes:
+        name: the parameter's name (unique within an optimizer).
+        shape: the parameter's shape.
+        dtype: dtype of the payload (see ``compression.compute_dtype``).
+        grad_dtype: the parameter's own dtype.
+        n, m: the matrix view (n, m) of the gradient.
+        r: rank of the factors; 0 when not compressed.
+        compressed: whether the gradient travels as factors.
+    """
+
+    name: str
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    grad_dtype: torch.dtype
+    n: int
+    m: int
+    r: int
+    compressed: bool
+
+    @property
+    def numel(self) -> int:
+        return self.n * self.m
+
+    def payload_numel(self, phase: Phase) -> int:
+        """Elements this tensor puts on the wire in ``phase``."""
+        if not self.compressed or phase is Phase.DENSE:
+            return self.numel
+        return (self.n if phase is Phase.P else self.m) * self.r
+
+    def payload_shape(self, phase: Phase) -> Tuple[int, ...]:
+        """Shape of this tensor's slot in a buffer of ``phase``."""
+        if not self.compressed or phase is Phase.DENSE:
+            return self.shape
+        return (self.n if phase is Phase.P else self.m, self.r)
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """A tensor's place in a fused buffer (offset and size in elements)."""
+
+    name: str
+    offset: int
+    numel: int
+    shape: Tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """A flat buffer all-reduced as one Horovod operation.
+
+    Attributes:
+        name: the all-reduce's name, identical on every rank and unique for
+            the parameters it holds and the phase.
+        dtype: dtype of the buffer.
+        slots: members, in the order their gradients are expected.
+        numel: total elements.
+    """
+
+    name: str
+    dtype: torch.dtype
+    slots: Tuple[Slot, ...]
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+def make_layouts(named_shapes: Sequence[Tuple[str, Tuple[int, ...], torch.dtype]],
+                 matrix_rank: int, min_compression_rate: float,
+                 payload_dtype=lambda dtype: dtype) -> List[TensorLayout]:
+    """Layouts for parameters given as (name, shape, dtype) triples."""
+    layouts = []
+    for name, shape, dtype in named_shapes:
+        shape = tuple(int(s) for s in shape)
+        n, m = matrix_shape(shape)
+        compressed = should_compress(shape, matrix_rank, min_compression_rate)
+        layouts.append(TensorLayout(
+            name=name, shape=shape, dtype=payload_dtype(dtype), grad_dtype=dtype,
+            n=n, m=m, r=factor_rank(n, m, matrix_rank) if compressed else 0,
+            compressed=compressed))
+    return layouts
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def plan_buckets(layouts: Sequence[TensorLayout], phase: Phase,
+                 fusion_threshold_bytes: int,
+                 groups: Optional[Sequence[Sequence[str]]] = None,
+                 prefix: str = "hvd_acp") -> List[Bucket]:
+    """Split tensors into fused buffers for one phase.
+
+    Tensors are taken in backward order (reverse registration order), which
+    is the order their gradients become ready, so the first buffer fills
+    first and its all-reduce overlaps the rest of backward.
+
+    The byte target of a buffer is ``fusion_threshold_bytes`` scaled by the
+    phase's compression ratio (payload bytes / gradient bytes over all
+    tensors): ACP-SGD issues about as many all-reduces as S-SGD would with
+    that threshold, each much smaller. A threshold of 0 puts every tensor in
+    a buffer of its own. Buffers never mix dtypes.
+
+    Args:
+        layouts: tensors in registration (forward) order.
+        phase: P, Q or DENSE.
+        fusion_threshold_bytes: S-SGD fusion threshold, in bytes.
+        groups: optional explicit fusion groups (lists of names); each group
+            becomes its own buffer(s), one per dtype, and the remaining
+            tensors are planned by threshold.
+        prefix: first component of every all-reduce name.
+
+    Returns:
+        Buckets in the order they are expected to become ready.
+    """
+    if fusion_threshold_bytes < 0:
+        raise ValueError(f"fusion_threshold_bytes must be >= 0, got {fusion_threshold_bytes}")
+    by_name = {lay.name: lay for lay in layouts}
+    backward = list(reversed(layouts))
+    position = {lay.name: i for i, lay in enumerate(backward)}
+
+    grad_bytes = sum(lay.numel * _element_size(lay.grad_dtype) for lay in layouts)
+    payload_bytes = sum(lay.payload_numel(phase) * _element_size(lay.dtype) for lay in layouts)
+    ratio = payload_bytes / grad_bytes if grad_bytes else 1.0
+    target = fusion_threshold_bytes * ratio
+
+    member_lists: List[List[TensorLayout]] = []
+    grouped = set()
+    for group in groups or ():
+        members = sorted((by_name[name] for name in group), key=lambda l: position[l.name])
+        grouped.update(l.name for l in members)
+        by_dtype: Dict[torch.dtype, List[TensorLayout]] = {}
+        for lay in members:
+            by_dtype.setdefault(lay.dtype, []).append(lay)
+        member_lists.extend(by_dtype.values())
+
+    open_lists: Dict[torch.dtype, List[TensorLayout]] = {}
+    open_bytes: Dict[torch.dtype, int] = {}
+    for lay in backward:
+        if lay.name in grouped:
+            continue
+        current = open_lists.setdefault(lay.dtype, [])
+        current.append(lay)
+        open_bytes[lay.dtype] = (open_bytes.get(lay.dtype, 0)
+                                 + lay.payload_numel(phase) * _element_size(lay.dtype))
+        if open_bytes[lay.dtype] >= target:
+            member_lists.append(current)
+            del open_lists[lay.dtype]
+            del open_bytes[lay.dtype]
+    member_lists.extend(open_lists.values())
+
+    # Order buckets by when they complete: the position of their last member.
+    member_lists.sort(key=lambda ms: max(position[l.name] for l in ms))
+
+    buckets = []
+    for index, members in enumerate(member_lists):
+        slots, offset = [], 0
+        for lay in members:
+            numel = lay.payload_numel(phase)
+            slots.append(Slot(lay.name, offset, numel, lay.payload_shape(phase)))
+            offset += numel
+        name = (f"{prefix}.{phase.value}.{index}.{members[0].name}"
+                + (f"..{members[-1].name}" if len(members) > 1 else ""))
+        buckets.append(Bucket(name=name, dtype=members[0].dtype, slots=tuple(slots),
+                              numel=offset))
+    return buckets

@@ -1,0 +1,401 @@
+"""The public optimizer: glue between a torch optimizer and the reducer."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import numbers
+from collections import OrderedDict
+from typing import Any, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from .comm import CommStats, Communicator
+from .reducer import ACPReducer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_FUSION_THRESHOLD_BYTES = 25 * 1024 * 1024
+STATE_KEY = "hvd_acp"
+
+
+class _LocalStep(torch.optim.Optimizer):
+    """Base whose ``step`` runs the wrapped optimizer without communication.
+
+    ``hvd.broadcast_optimizer_state`` initializes a fresh optimizer's state
+    with ``super(type(opt), opt).step()`` when ``opt`` is a Horovod
+    distributed optimizer, so that no rank starts a collective on its own.
+    """
+
+    def step(self, closure=None):  # pylint: disable=arguments-differ
+        return self._optimizer.step(closure)
+
+
+class DistributedOptimizer(_LocalStep):
+    """Drop-in replacement for ``hvd.DistributedOptimizer`` training with ACP-SGD.
+
+    Wraps a torch optimizer by composition: ``param_groups``, ``state`` and
+    ``defaults`` are the wrapped optimizer's own objects, so its existing
+    state is kept and LR schedulers and ``GradScaler`` work unchanged.
+
+    Horovod's arguments keep Horovod's meaning:
+
+    Args:
+        optimizer: the torch optimizer to wrap.
+        named_parameters: (name, parameter) pairs naming every parameter of
+            ``optimizer``; names must be unique and identical on all ranks.
+            Defaults to ``allreduce.noname.{group}.{index}`` like Horovod.
+        compression: ``hvd.Compression.none`` or ``hvd.Compression.fp16``,
+            applied to each fused buffer on the wire.
+        backward_passes_per_step: backward passes accumulated locally
+            before one compressed all-reduce.
+        op: ``hvd.Average`` or ``hvd.Sum``.
+        gradient_predivide_factor: split the averaging before and after the
+            sum, as in Horovod (``op=hvd.Average`` only).
+        num_groups: split the parameters into this many explicit fusion
+            groups (0: plan buffers by ``fusion_threshold_bytes``).
+        groups: explicit fusion groups: a list of lists of parameters.
+        sparse_as_dense: densify sparse gradients (otherwise they raise).
+        process_set: the Horovod process set to average over.
+
+    ACP-SGD's own settings (keyword only):
+
+    Args:
+        matrix_rank: rank r of the factors P (n, r) and Q (m, r). Higher is
+            more accurate and sends more. 4 suits CNNs, 32 transformers.
+        fusion_threshold_bytes: the S-SGD fusion threshold the buffers are
+            planned from; each buffer's payload is about this times the
+            phase's compression ratio. 0 gives one buffer per tensor.
+        min_compression_rate: a matrix is compressed only if that sends at
+            least this many times fewer elements; others go uncompressed.
+        warmup_steps: steps of exact averaging before ACP-SGD starts.
+        seed: seed of the initial factors (identical on every rank).
+        communicator: a :class:`~hvd_acp.comm.Communicator`; defaults to
+            Horovod. Tests pass a ``LocalCommunicator``.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
+                 compression=None, backward_passes_per_step: int = 1, op=None,
+                 gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                 groups: Optional[Sequence[Sequence[torch.Tensor]]] = None,
+                 sparse_as_dense: bool = False, process_set=None, *,
+                 matrix_rank: int = 4,
+                 fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD_BYTES,
+                 min_compression_rate: float = 2.0, warmup_steps: int = 0, seed: int = 0,
+                 communicator: Optional[Communicator] = None):
+        # Deliberately not calling Optimizer.__init__: param_groups, state and
+        # defaults are forwarded to the wrapped optimizer (properties below).
+        torch._C._log_api_usage_once("hvd_acp.DistributedOptimizer")
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._optimizer = optimizer
+        # Lets hvd.broadcast_optimizer_state take its communication-free path
+        # (see _LocalStep); the class itself keeps its real module.
+        self.__dict__["__module__"] = "horovod.torch.optimizer"
+
+        error = None
+        try:
+            named = _validate(optimizer, named_parameters, compression,
+                              backward_passes_per_step, op, gradient_predivide_factor,
+                              num_groups, groups, sparse_as_dense, matrix_rank,
+                              fusion_threshold_bytes, min_compression_rate, warmup_steps,
+                              seed, communicator)
+        except (ValueError, TypeError, NotImplementedError) as exc:
+            error, named = exc, []
+
+        if communicator is None:
+            from .comm import HorovodCommunicator
+            communicator = HorovodCommunicator(op, gradient_predivide_factor, process_set,
+                                               compression)
+        self._comm = communicator
+        # Every rank must raise, or none: a rank that raises alone leaves the
+        # others waiting in their first all-reduce.
+        _agree(communicator, error, _signature(
+            named, matrix_rank, fusion_threshold_bytes, min_compression_rate,
+            warmup_steps, seed, backward_passes_per_step))
+
+        names_by_param = {p: n for n, p in named}
+        explicit_groups = None
+        if groups is not None:
+            explicit_groups = [[names_by_param[p] for p in g] for g in groups]
+        elif num_groups:
+            ordered = [n for n, _ in named]
+            size = -(-len(ordered) // num_groups)
+            explicit_groups = [ordered[i:i + size] for i in range(0, len(ordered), size)]
+
+        self._reducer = ACPReducer(
+            named, communicator, matrix_rank=matrix_rank,
+            fusion_threshold_bytes=fusion_threshold_bytes,
+            min_compression_rate=min_compression_rate, warmup_steps=warmup_steps, seed=seed,
+            backward_passes_per_step=backward_passes_per_step, groups=explicit_groups,
+            sparse_as_dense=sparse_as_dense)
+        self.backward_passes_per_step = backward_passes_per_step
+        self._synchronized = False
+        self._should_synchronize = True
+
+    # --------------------------------------------- forwarding to the wrapped one
+    @property
+    def param_groups(self) -> List[dict]:
+        return self._optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value) -> None:
+        self._optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self._optimizer.state
+
+    @state.setter
+    def state(self, value) -> None:
+        self._optimizer.state = value
+
+    @property
+    def defaults(self) -> dict:
+        return self._optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value) -> None:
+        self._optimizer.defaults = value
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The wrapped torch optimizer."""
+        return self._optimizer
+
+    def __getstate__(self):
+        raise TypeError("hvd_acp.DistributedOptimizer holds gradient hooks and Horovod "
+                        "handles and cannot be pickled; save state_dict() instead")
+
+    def __repr__(self) -> str:
+        return f"hvd_acp.DistributedOptimizer({self._optimizer!r})"
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise NotImplementedError(
+            "add_param_group() after wrapping is not supported: add the group to the "
+            "torch optimizer before creating hvd_acp.DistributedOptimizer")
+
+    # ------------------------------------------------------------- the contract
+    @property
+    def step_count(self) -> int:
+        """Number of communication rounds completed (optimizer steps)."""
+        return self._reducer.step_count
+
+    @property
+    def phase(self):
+        """The :class:`~hvd_acp.compression.Phase` of the next step."""
+        return self._reducer.phase
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """Counters of all-reduces and bytes this rank has submitted."""
+        return self._comm.stats
+
+    @property
+    def reducer(self) -> ACPReducer:
+        return self._reducer
+
+    def synchronize(self) -> None:
+        """Wait for all-reduces and write the averaged gradients into ``p.grad``.
+
+        After it returns, ``p.grad`` holds the gradient the update will use:
+        clip or unscale it here, then call ``step()`` inside
+        :meth:`skip_synchronize`.
+        """
+        self._reducer.synchronize()
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Within this context ``step()`` does not call ``synchronize()``."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        """Synchronize (unless already done or skipped), update, next phase."""
+        if closure is not None:
+            raise NotImplementedError(
+                "step(closure) is not supported: a closure re-runs backward, which would "
+                "start a second compressed all-reduce in the same step")
+        if self._should_synchronize:
+            if self._synchronized and not self._reducer.pending:
+                logger.debug("step() after synchronize(): nothing left to communicate")
+            else:
+                self.synchronize()
+        self._synchronized = False
+        return self._optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._reducer.round_open:
+            raise RuntimeError(
+                "optimizer.zero_grad() was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(): the compressed gradients are "
+                "already in flight. Call zero_grad() before backward() or after step().")
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's state dict plus an ``"hvd_acp"`` section.
+
+        The extra section (phase, step count, factors and this rank's error
+        feedback, keyed by parameter name) is ignored by a plain torch
+        optimizer's ``load_state_dict``.
+        """
+        state = self._optimizer.state_dict()
+        state[STATE_KEY] = self._reducer.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict, reset_error_feedback: bool = False) -> None:
+        """Load a state dict of this class or of the plain wrapped optimizer.
+
+        Args:
+            state_dict: from :meth:`state_dict`, or from a torch optimizer (then
+                the compression state is left as it is).
+            reset_error_feedback: zero the error-feedback residuals instead of
+                loading them: use it when every rank loads rank 0's file.
+        """
+        state_dict = dict(state_dict)
+        acp_state = state_dict.pop(STATE_KEY, None)
+        self._optimizer.load_state_dict(state_dict)
+        if acp_state is not None:
+            self._reducer.load_state_dict(acp_state, reset_error_feedback)
+        elif reset_error_feedback:
+            self._reducer.reset_error_feedback()
+
+
+# ---------------------------------------------------------------- validation
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _validate(optimizer, named_parameters, compression, backward_passes_per_step, op,
+              gradient_predivide_factor, num_groups, groups, sparse_as_dense, matrix_rank,
+              fusion_threshold_bytes, min_compression_rate, warmup_steps, seed,
+              communicator) -> List[Tuple[str, torch.Tensor]]:
+    """Check the arguments; returns (name, param) for the optimizer's params."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    if isinstance(optimizer, DistributedOptimizer):
+        raise TypeError("optimizer is already an hvd_acp.DistributedOptimizer")
+    if not _is_int(matrix_rank) or matrix_rank < 1:
+        raise ValueError(f"matrix_rank must be a positive int, got {matrix_rank!r}")
+    if not _is_int(backward_passes_per_step) or backward_passes_per_step < 1:
+        raise ValueError("backward_passes_per_step must be a positive int, got "
+                         f"{backward_passes_per_step!r}")
+    if not _is_int(fusion_threshold_bytes) or fusion_threshold_bytes < 0:
+        raise ValueError("fusion_threshold_bytes must be an int >= 0, got "
+                         f"{fusion_threshold_bytes!r}")
+    if not isinstance(min_compression_rate, numbers.Real) or min_compression_rate < 0:
+        raise ValueError("min_compression_rate must be a number >= 0, got "
+                         f"{min_compression_rate!r}")
+    if not _is_int(warmup_steps) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+    if not _is_int(seed):
+        raise TypeError(f"seed must be an int, got {seed!r}")
+    if not isinstance(gradient_predivide_factor, numbers.Real) or gradient_predivide_factor <= 0:
+        raise ValueError("gradient_predivide_factor must be a number > 0, got "
+                         f"{gradient_predivide_factor!r}")
+    if not _is_int(num_groups) or num_groups < 0:
+        raise ValueError(f"num_groups must be an int >= 0, got {num_groups!r}")
+    if num_groups and groups is not None:
+        raise ValueError("num_groups and groups cannot both be set")
+    if not isinstance(sparse_as_dense, bool):
+        raise TypeError(f"sparse_as_dense must be a bool, got {sparse_as_dense!r}")
+    if communicator is None:
+        import horovod.torch as hvd
+        if op is not None and op not in (hvd.Average, hvd.Sum):
+            if op == hvd.Adasum:
+                raise NotImplementedError(
+                    "op=hvd.Adasum is not supported by ACP-SGD: Adasum combines full "
+                    "gradients pairwise, which low-rank factors cannot reproduce")
+            raise ValueError(f"op must be hvd.Average or hvd.Sum, got {op!r}")
+        if op == hvd.Sum and gradient_predivide_factor != 1.0:
+            raise ValueError("gradient_predivide_factor is only valid with op=hvd.Average")
+        if compression is not None and compression not in (hvd.Compression.none,
+                                                           hvd.Compression.fp16):
+            raise NotImplementedError(f"compression={compression!r} is not supported; use "
+                                      "hvd.Compression.none or hvd.Compression.fp16")
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        named = [(f"allreduce.noname.{i}.{j}", p)
+                 for i, group in enumerate(optimizer.param_groups)
+                 for j, p in enumerate(group["params"])]
+    else:
+        named = list(named_parameters)
+        if any(not isinstance(t, tuple) or len(t) != 2 for t in named):
+            raise ValueError("named_parameters should be a sequence of (name, parameter) "
+                             "tuples, usually model.named_parameters()")
+        names = [n for n, _ in named]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"Parameter names in named_parameters must be unique; "
+                             f"duplicated: {duplicates}")
+        by_param = {p: n for n, p in named}
+        unnamed = [i for i, p in enumerate(params) if p not in by_param]
+        if unnamed:
+            raise ValueError(
+                "named_parameters was specified, but one or more model parameters were "
+                f"not named (positions {unnamed} in the optimizer's param_groups)")
+        named = [(by_param[p], p) for p in params]
+    seen = set()
+    for name, p in named:
+        if p in seen:
+            raise ValueError(f"parameter {name!r} appears twice in the optimizer's param_groups")
+        seen.add(p)
+        if not p.is_floating_point():
+            raise TypeError(f"parameter {name!r} has dtype {p.dtype}; only floating-point "
+                            "parameters can be trained")
+    if groups is not None:
+        in_groups = [p for g in groups for p in g]
+        foreign = [i for i, p in enumerate(in_groups) if p not in seen]
+        if foreign or len(set(in_groups)) != len(in_groups):
+            raise ValueError("groups must be disjoint lists of the optimizer's parameters")
+    return named
+
+
+def _signature(named, *settings) -> Any:
+    return ([(n, tuple(p.shape), str(p.dtype)) for n, p in named], settings)
+
+
+def _agree(comm: Communicator, error: Optional[Exception], signature: Any) -> None:
+    """Raise the same error on every rank if any rank's arguments are bad or differ."""
+    if comm.size() == 1:
+        if error is not None:
+            raise error
+        return
+    local = None if error is None else (type(error).__name__, str(error))
+    gathered = comm.allgather_object((local, signature), name="hvd_acp.validate")
+    for rank, (err, _) in enumerate(gathered):
+        if err is not None:
+            kind = {"ValueError": ValueError, "TypeError": TypeError,
+                    "NotImplementedError": NotImplementedError}[err[0]]
+            if error is not None and rank == comm.rank():
+                raise error
+            raise kind(f"on rank {rank}: {err[1]}")
+    reference = gathered[0][1]
+    for rank, (_, sig) in enumerate(gathered):
+        if sig != reference:
+            raise ValueError(_describe_mismatch(rank, reference, sig))
+
+
+def _describe_mismatch(rank: int, reference, other) -> str:
+    ref_params, ref_settings = reference
+    params, settings = other
+    if ref_settings != settings:
+        return (f"hvd_acp settings differ between rank 0 {ref_settings} and rank {rank} "
+                f"{settings}; pass the same arguments on every rank")
+    ref_map, other_map = dict((n, s) for n, *s in ref_params), dict((n, s) for n, *s in params)
+    for name in sorted(set(ref_map) | set(other_map)):
+        if ref_map.get(name) != other_map.get(name):
+            return (f"the model differs between ranks: parameter {name!r} is "
+                    f"{ref_map.get(name, 'missing')} on rank 0 and "
+                    f"{other_map.get(name, 'missing')} on rank {rank}")
+    return f"parameter order differs between rank 0 and rank {rank}"

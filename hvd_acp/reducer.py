@@ -1,0 +1,368 @@
+"""Gradient hooks, fused buffers and per-step state of ACP-SGD.
+
+:class:`ACPReducer` owns everything that happens between ``backward()`` and
+the optimizer's update:
+
+1. A hook on every parameter fires when its gradient has been accumulated.
+   On the last of ``backward_passes_per_step`` passes it compresses the
+   gradient (P or Q step with error feedback, see :mod:`.compression`) into
+   the parameter's slot of a flat fused buffer (see :mod:`.fusion`).
+2. When every member of a buffer is filled, the buffer's named asynchronous
+   all-reduce is launched, while backward goes on computing earlier layers.
+3. :meth:`synchronize` fills what backward did not reach (a parameter with
+   no gradient counts as a zero gradient, so no rank waits for a buffer that
+   never completes), waits for every handle, writes the reconstructed
+   averaged gradient into ``p.grad``, commits the averaged factors and moves
+   to the next phase.
+
+It knows nothing of the wrapped torch optimizer.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .comm import Communicator
+from .compression import (Phase, compress_, compute_dtype, init_factor,
+                          orthonormalize_, reconstruct_)
+from .fusion import Bucket, TensorLayout, make_layouts, plan_buckets
+
+logger = logging.getLogger(__name__)
+
+STATE_FORMAT_VERSION = 1
+
+
+class _Round:
+    """Bookkeeping of one communication round (one optimizer step)."""
+
+    def __init__(self, phase: Phase, buckets: List[Bucket], buffers: List[Tensor]):
+        self.phase = phase
+        self.buckets = buckets
+        self.buffers = buffers
+        self.where: Dict[str, Tuple[int, int]] = {}
+        for b_index, bucket in enumerate(buckets):
+            for s_index, slot in enumerate(bucket.slots):
+                self.where[slot.name] = (b_index, s_index)
+        self.filled: Dict[str, bool] = {}     # name -> gradient was present
+        self.ready = [0] * len(buckets)
+        self.handles: Dict[int, object] = {}
+
+
+class ACPReducer:
+    """Compresses, fuses and all-reduces gradients with ACP-SGD.
+
+    Args:
+        named_parameters: (name, parameter) pairs in registration order.
+        communicator: the collective backend.
+        matrix_rank: rank r of the factors.
+        fusion_threshold_bytes: S-SGD fusion threshold (see
+            :func:`.fusion.plan_buckets`).
+        min_compression_rate: see :func:`.compression.should_compress`.
+        warmup_steps: steps of exact averaging before ACP-SGD starts.
+        seed: seed of the generator that draws the initial factors.
+        backward_passes_per_step: backward passes accumulated per step.
+        groups: optional explicit fusion groups, lists of parameter names.
+        sparse_as_dense: densify sparse gradients instead of raising.
+        name_prefix: first component of the all-reduce names.
+    """
+
+    def __init__(self, named_parameters: Sequence[Tuple[str, Tensor]],
+                 communicator: Communicator, *, matrix_rank: int,
+                 fusion_threshold_bytes: int, min_compression_rate: float,
+                 warmup_steps: int = 0, seed: int = 0,
+                 backward_passes_per_step: int = 1,
+                 groups: Optional[Sequence[Sequence[str]]] = None,
+                 sparse_as_dense: bool = False, name_prefix: str = "hvd_acp"):
+        self.params: Dict[str, Tensor] = dict(named_parameters)
+        self.comm = communicator
+        self.matrix_rank = matrix_rank
+        self.fusion_threshold_bytes = fusion_threshold_bytes
+        self.warmup_steps = warmup_steps
+        self.backward_passes_per_step = backward_passes_per_step
+        self.groups = [list(g) for g in groups] if groups else None
+        self.sparse_as_dense = sparse_as_dense
+        self.name_prefix = name_prefix
+        self.step_count = 0
+
+        devices = {p.device for p in self.params.values()}
+        if len(devices) > 1:
+            raise NotImplementedError(
+                f"parameters on several devices ({sorted(map(str, devices))}) are not "
+                "supported: wrap each device's parameters in its own DistributedOptimizer")
+        self.device = devices.pop() if devices else torch.device("cpu")
+
+        self.layouts: Dict[str, TensorLayout] = {
+            lay.name: lay for lay in make_layouts(
+                [(n, tuple(p.shape), p.dtype) for n, p in self.params.items()],
+                matrix_rank, min_compression_rate, payload_dtype=compute_dtype)}
+
+        # Factors are drawn from a dedicated generator in registration order:
+        # identical on every rank, and the user's global RNG is untouched.
+        generator = torch.Generator().manual_seed(seed)
+        self.p_factors: Dict[str, Tensor] = {}
+        self.q_factors: Dict[str, Tensor] = {}
+        self.errors: Dict[str, Tensor] = {}
+        self._bases: Dict[str, Tensor] = {}
+        for name, lay in self.layouts.items():
+            if not lay.compressed:
+                continue
+            self.q_factors[name] = init_factor(lay.m, lay.r, generator, lay.dtype, self.device)
+            self.p_factors[name] = init_factor(lay.n, lay.r, generator, lay.dtype, self.device)
+            self.errors[name] = torch.zeros(lay.n, lay.m, dtype=lay.dtype, device=self.device)
+
+        self._plans: Dict[Tuple[Phase, Tuple[str, ...]], List[Bucket]] = {}
+        self._buffers: Dict[Tuple[Phase, Tuple[str, ...]], List[Tensor]] = {}
+        self._hooks: Dict[str, object] = {}
+        self._passes: Dict[str, int] = {name: 0 for name in self.params}
+        self._round: Optional[_Round] = None
+        self._bases_phase: Optional[Phase] = None
+        self.register_hooks()
+
+    # ------------------------------------------------------------------ phase
+    @property
+    def phase(self) -> Phase:
+        """Phase of the current step, derived from ``step_count``."""
+        compressed_steps = self.step_count - self.warmup_steps
+        if compressed_steps < 0:
+            return Phase.DENSE
+        return Phase.P if compressed_steps % 2 == 0 else Phase.Q
+
+    def _prepare_bases(self) -> None:
+        """Orthonormalize the reused factor of every compressed tensor.
+
+        P step: Qh = orth(Q); Q step: Ph = orth(P). Same-shaped factors are
+        orthonormalized in one batched call.
+        """
+        phase = self.phase
+        if self._bases_phase is phase:
+            return
+        if phase is not Phase.DENSE:
+            source = self.q_factors if phase is Phase.P else self.p_factors
+            for name, factor in source.items():
+                basis = self._bases.get(name)
+                if basis is None or basis.shape != factor.shape:
+                    basis = self._bases[name] = torch.empty_like(factor)
+                basis.copy_(factor)
+            orthonormalize_(self._bases[name] for name in source)
+        self._bases_phase = phase
+
+    # ------------------------------------------------------------------ hooks
+    def register_hooks(self) -> None:
+        """Hook every parameter that requires a gradient and has no hook yet."""
+        for name, param in self.params.items():
+            if param.requires_grad and name not in self._hooks:
+                self._hooks[name] = param.register_post_accumulate_grad_hook(
+                    self._make_hook(name))
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks.values():
+            handle.remove()
+        self._hooks.clear()
+
+    def _make_hook(self, name: str):
+        def hook(param: Tensor) -> None:
+            self._on_gradient(name, param)
+        return hook
+
+    def _on_gradient(self, name: str, param: Tensor) -> None:
+        passes = self._passes[name] + 1
+        if passes > self.backward_passes_per_step:
+            raise RuntimeError(
+                f"Gradients were computed more than backward_passes_per_step="
+                f"{self.backward_passes_per_step} times before call to step() "
+                f"(parameter {name!r}). Increase backward_passes_per_step to "
+                "accumulate gradients locally, or call step() after each backward.")
+        self._passes[name] = passes
+        if passes == self.backward_passes_per_step:
+            self._fill(name, self._dense_grad(name, param))
+
+    def _dense_grad(self, name: str, param: Tensor) -> Optional[Tensor]:
+        grad = param.grad
+        if grad is not None and grad.is_sparse:
+            if not self.sparse_as_dense:
+                raise ValueError(
+                    f"parameter {name!r} has a sparse gradient; ACP-SGD compresses dense "
+                    "matrices: pass sparse_as_dense=True to densify it")
+            grad = param.grad = grad.to_dense()
+        return grad
+
+    # ------------------------------------------------------------------ round
+    @property
+    def round_open(self) -> bool:
+        """Whether backward has started the current round (a gradient was taken)."""
+        return self._round is not None and bool(self._round.filled)
+
+    @property
+    def pending(self) -> bool:
+        """Whether any gradient was counted since the last synchronize()."""
+        return any(self._passes.values())
+
+    def _active_names(self) -> Tuple[str, ...]:
+        return tuple(n for n, p in self.params.items() if p.requires_grad)
+
+    def _open_round(self) -> _Round:
+        if self._round is None:
+            phase = self.phase
+            self._prepare_bases()
+            key = (phase, self._active_names())
+            if key not in self._plans:
+                layouts = [self.layouts[n] for n in key[1]]
+                active = set(key[1])
+                groups = ([[n for n in g if n in active] for g in self.groups]
+                          if self.groups else None)
+                groups = [g for g in groups if g] if groups else None
+                self._plans[key] = plan_buckets(
+                    layouts, phase, self.fusion_threshold_bytes, groups, self.name_prefix)
+                self._buffers[key] = [
+                    torch.empty(b.numel, dtype=b.dtype, device=self.device)
+                    for b in self._plans[key]]
+            self._round = _Round(phase, self._plans[key], self._buffers[key])
+        return self._round
+
+    def _slot_view(self, rnd: _Round, name: str) -> Tensor:
+        b_index, s_index = rnd.where[name]
+        slot = rnd.buckets[b_index].slots[s_index]
+        return rnd.buffers[b_index][slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+    def _fill(self, name: str, grad: Optional[Tensor]) -> None:
+        """Put this rank's payload for ``name`` into its slot.
+
+        ``grad=None`` is a zero gradient: the error feedback still flows.
+        """
+        rnd = self._open_round()
+        if name not in rnd.where:
+            raise RuntimeError(
+                f"parameter {name!r} got a gradient but had requires_grad=False when "
+                "this step's first gradient arrived; change requires_grad only between steps")
+        lay = self.layouts[name]
+        out = self._slot_view(rnd, name)
+        if lay.compressed and rnd.phase is not Phase.DENSE:
+            matrix = None if grad is None else grad.reshape(lay.n, lay.m).to(lay.dtype)
+            error, basis = self.errors[name], self._bases[name]
+            if rnd.phase is Phase.P:
+                compress_(matrix, error, basis, out)
+            else:
+                compress_(None if matrix is None else matrix.t(), error.t(), basis, out)
+        elif grad is None:
+            out.zero_()
+        else:
+            out.copy_(grad.reshape(out.shape))
+        rnd.filled[name] = grad is not None
+        b_index = rnd.where[name][0]
+        rnd.ready[b_index] += 1
+        if rnd.ready[b_index] == len(rnd.buckets[b_index].slots):
+            rnd.handles[b_index] = self.comm.allreduce_async_(
+                rnd.buffers[b_index], rnd.buckets[b_index].name)
+
+    def synchronize(self) -> None:
+        """Finish the round: all-reduce everything, write ``p.grad``, flip phase.
+
+        Parameters that got no gradient in this round on this rank count as
+        zero gradients. Afterwards ``p.grad`` of every parameter that
+        requires a gradient holds the averaged (reconstructed) gradient,
+        identical on every rank.
+        """
+        rnd = self._open_round()
+        for bucket in rnd.buckets:
+            for slot in bucket.slots:
+                if slot.name not in rnd.filled:
+                    self._fill(slot.name, self._dense_grad(slot.name, self.params[slot.name]))
+        for b_index in range(len(rnd.buckets)):
+            self.comm.synchronize(rnd.handles[b_index])
+        for bucket in rnd.buckets:
+            for slot in bucket.slots:
+                self._write_grad(rnd, slot.name)
+        self._round = None
+        for name in self._passes:
+            self._passes[name] = 0
+        self.step_count += 1
+        self.register_hooks()
+
+    def _write_grad(self, rnd: _Round, name: str) -> None:
+        lay, param = self.layouts[name], self.params[name]
+        averaged = self._slot_view(rnd, name)
+        if param.grad is None:
+            param.grad = torch.empty_like(param, memory_format=torch.contiguous_format)
+        grad = param.grad
+        if lay.compressed and rnd.phase is not Phase.DENSE:
+            factor = self.p_factors[name] if rnd.phase is Phase.P else self.q_factors[name]
+            factor.copy_(averaged)
+            basis = self._bases[name]
+            direct = grad.is_contiguous() and grad.dtype == lay.dtype
+            matrix = (grad.view(lay.n, lay.m) if direct
+                      else torch.empty(lay.n, lay.m, dtype=lay.dtype, device=self.device))
+            # P step: G = P Qh^T; Q step: G^T = Q Ph^T.
+            reconstruct_(matrix if rnd.phase is Phase.P else matrix.t(), factor, basis)
+            if not direct:
+                grad.copy_(matrix.view(grad.shape))
+        else:
+            grad.copy_(averaged.view(grad.shape))
+
+    def discard_round(self) -> None:
+        """Forget gradients counted since the last synchronize (no round launched)."""
+        for name in self._passes:
+            self._passes[name] = 0
+
+    # ------------------------------------------------------------------ state
+    def wire_elements(self, phase: Phase) -> int:
+        """Elements one rank sends in a step of ``phase`` (all tensors active)."""
+        return sum(lay.payload_numel(phase) for lay in self.layouts.values())
+
+    def state_dict(self) -> dict:
+        """Compression state of this rank, keyed by parameter name."""
+        return {
+            "version": STATE_FORMAT_VERSION,
+            "step_count": self.step_count,
+            "phase": self.phase.value,
+            "warmup_steps": self.warmup_steps,
+            "matrix_rank": self.matrix_rank,
+            "world_size": self.comm.size(),
+            "rank": self.comm.rank(),
+            "params": {
+                name: {"P": self.p_factors[name].clone(), "Q": self.q_factors[name].clone(),
+                       "error": self.errors[name].clone()}
+                for name in self.errors},
+        }
+
+    def load_state_dict(self, state: dict, reset_error_feedback: bool = False) -> None:
+        """Restore :meth:`state_dict` output.
+
+        Args:
+            state: as returned by :meth:`state_dict` (possibly another rank's).
+            reset_error_feedback: set every residual to zero instead of
+                loading it (the residual is rank-local; see the README).
+        """
+        version = state.get("version")
+        if version != STATE_FORMAT_VERSION:
+            raise ValueError(f"unsupported hvd_acp state format version {version!r}; "
+                             f"this version reads {STATE_FORMAT_VERSION}")
+        if self.round_open:
+            raise RuntimeError("load_state_dict() called between backward() and step(); "
+                               "load checkpoints between steps")
+        saved = state["params"]
+        missing = sorted(set(self.errors) - set(saved))
+        unexpected = sorted(set(saved) - set(self.errors))
+        if missing or unexpected:
+            raise ValueError(f"hvd_acp state does not match the parameters: missing "
+                             f"{missing}, unexpected {unexpected}")
+        for name, entry in saved.items():
+            for key, target in (("P", self.p_factors[name]), ("Q", self.q_factors[name]),
+                                ("error", self.errors[name])):
+                value = entry[key]
+                if tuple(value.shape) != tuple(target.shape):
+                    raise ValueError(
+                        f"hvd_acp state for {name!r}: {key} has shape {tuple(value.shape)}, "
+                        f"expected {tuple(target.shape)} (different matrix_rank or model?)")
+                target.copy_(value)
+            if reset_error_feedback:
+                self.errors[name].zero_()
+        self.step_count = int(state["step_count"])
+        self.discard_round()
+        self._bases_phase = None
+
+    def reset_error_feedback(self) -> None:
+        for error in self.errors.values():
+            error.zero_()

@@ -1,0 +1,22 @@
+"""hvd_acp: ACP-SGD gradient compression as a drop-in Horovod optimizer."""
+from setuptools import find_packages, setup
+
+setup(
+    name="hvd_acp",
+    version="0.1.0",
+    description=(
+        "Drop-in replacement for horovod.torch.DistributedOptimizer that "
+        "trains with ACP-SGD (alternate compressed Power-SGD)"
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["hvd_acp", "hvd_acp.*"]),
+    python_requires=">=3.9",
+    install_requires=["torch>=1.13", "horovod>=0.28", "numpy"],
+    extras_require={
+        "examples": ["scikit-learn", "tqdm", "matplotlib"],
+        "bench": ["transformers", "tqdm", "matplotlib"],
+        "test": ["pytest", "pytest-timeout", "scikit-learn"],
+    },
+    entry_points={"console_scripts": ["hvd-acp-bench=hvd_acp.bench.__main__:main"]},
+)

@@ -1,0 +1,57 @@
+"""Launch a worker script under ``horovodrun --gloo`` from a test, with a timeout.
+
+A hang fails the test instead of stalling the suite: the whole process group
+is killed when ``timeout`` expires.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKERS = Path(__file__).parent / "workers"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def horovodrun(script: str, *args: str, np: int = 2, timeout: float = 180,
+               env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``tests/workers/<script>`` on ``np`` local ranks; returns the result.
+
+    With ``check`` the test fails unless every rank exited 0; the output of
+    all ranks is shown on failure.
+    """
+    launcher = Path(sys.executable).with_name("horovodrun")
+    cmd = [str(launcher), "-np", str(np), "-H", f"localhost:{np}", "--gloo",
+           sys.executable, str(WORKERS / script), *args]
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                    PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    full_env.update(env or {})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env, cwd=REPO, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"horovodrun {script} {' '.join(args)} timed out after {timeout}s "
+                    f"(a hang?)\n{out[-6000:]}")
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+    if check and proc.returncode != 0:
+        pytest.fail(f"horovodrun {script} {' '.join(args)} exited {proc.returncode}\n"
+                    f"{out[-8000:]}")
+    return result
+
+
+def rank_lines(output: str, tag: str) -> list[str]:
+    """Lines a worker printed as ``<tag> ...`` (horovodrun's [r]<stdout>: prefix removed)."""
+    lines = []
+    for line in output.splitlines():
+        _, _, text = line.partition(">:")
+        text = text if text else line
+        if text.startswith(tag):
+            lines.append(text[len(tag):].strip())
+    return lines
