@@ -6,8 +6,9 @@
 from .compression import Phase
 from .comm import CommStats, Communicator, HorovodCommunicator, LocalCommunicator
 from .optimizer import DistributedOptimizer
+from .powersgd import PowerSGDOptimizer
 
 __version__ = "0.1.0"
 
-__all__ = ["DistributedOptimizer", "Phase", "CommStats", "Communicator",
+__all__ = ["DistributedOptimizer", "PowerSGDOptimizer", "Phase", "CommStats", "Communicator",
            "HorovodCommunicator", "LocalCommunicator", "__version__"]

@@ -73,6 +73,9 @@ class DistributedOptimizer(_LocalStep):
             Horovod. Tests pass a ``LocalCommunicator``.
     """
 
+    reducer_class = ACPReducer
+    name_prefix = "hvd_acp"
+
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
                  compression=None, backward_passes_per_step: int = 1, op=None,
@@ -127,12 +130,12 @@ class DistributedOptimizer(_LocalStep):
             size = -(-len(ordered) // num_groups)
             explicit_groups = [ordered[i:i + size] for i in range(0, len(ordered), size)]
 
-        self._reducer = ACPReducer(
+        self._reducer = self.reducer_class(
             named, communicator, matrix_rank=matrix_rank,
             fusion_threshold_bytes=fusion_threshold_bytes,
             min_compression_rate=min_compression_rate, warmup_steps=warmup_steps, seed=seed,
             backward_passes_per_step=backward_passes_per_step, groups=explicit_groups,
-            sparse_as_dense=sparse_as_dense)
+            sparse_as_dense=sparse_as_dense, name_prefix=self.name_prefix)
         self.backward_passes_per_step = backward_passes_per_step
         self._synchronized = False
         self._should_synchronize = True

@@ -20,6 +20,7 @@ It knows nothing of the wrapped torch optimizer.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -86,6 +87,9 @@ class ACPReducer:
         self.sparse_as_dense = sparse_as_dense
         self.name_prefix = name_prefix
         self.step_count = 0
+        #: Seconds spent in compression maths (hooks, orthonormalization,
+        #: reconstruction) since construction; benchmarks read it.
+        self.compression_seconds = 0.0
 
         devices = {p.device for p in self.params.values()}
         if len(devices) > 1:
@@ -146,7 +150,9 @@ class ACPReducer:
                 if basis is None or basis.shape != factor.shape:
                     basis = self._bases[name] = torch.empty_like(factor)
                 basis.copy_(factor)
+            started = time.perf_counter()
             orthonormalize_(self._bases[name] for name in source)
+            self.compression_seconds += time.perf_counter() - started
         self._bases_phase = phase
 
     # ------------------------------------------------------------------ hooks
@@ -203,23 +209,30 @@ class ACPReducer:
     def _active_names(self) -> Tuple[str, ...]:
         return tuple(n for n, p in self.params.items() if p.requires_grad)
 
+    def _round_phase(self) -> Phase:
+        """Phase whose plan the round's first all-reduce uses."""
+        return self.phase
+
+    def _plan(self, phase: Phase, names: Tuple[str, ...]) -> Tuple[List[Bucket], List[Tensor]]:
+        """Buckets and their flat buffers for ``phase`` over ``names`` (cached)."""
+        key = (phase, names)
+        if key not in self._plans:
+            layouts = [self.layouts[n] for n in names]
+            active = set(names)
+            groups = ([[n for n in g if n in active] for g in self.groups]
+                      if self.groups else None)
+            groups = [g for g in groups if g] if groups else None
+            self._plans[key] = plan_buckets(
+                layouts, phase, self.fusion_threshold_bytes, groups, self.name_prefix)
+            self._buffers[key] = [torch.empty(b.numel, dtype=b.dtype, device=self.device)
+                                  for b in self._plans[key]]
+        return self._plans[key], self._buffers[key]
+
     def _open_round(self) -> _Round:
         if self._round is None:
-            phase = self.phase
             self._prepare_bases()
-            key = (phase, self._active_names())
-            if key not in self._plans:
-                layouts = [self.layouts[n] for n in key[1]]
-                active = set(key[1])
-                groups = ([[n for n in g if n in active] for g in self.groups]
-                          if self.groups else None)
-                groups = [g for g in groups if g] if groups else None
-                self._plans[key] = plan_buckets(
-                    layouts, phase, self.fusion_threshold_bytes, groups, self.name_prefix)
-                self._buffers[key] = [
-                    torch.empty(b.numel, dtype=b.dtype, device=self.device)
-                    for b in self._plans[key]]
-            self._round = _Round(phase, self._plans[key], self._buffers[key])
+            phase = self._round_phase()
+            self._round = _Round(phase, *self._plan(phase, self._active_names()))
         return self._round
 
     def _slot_view(self, rnd: _Round, name: str) -> Tensor:
@@ -241,11 +254,9 @@ class ACPReducer:
         out = self._slot_view(rnd, name)
         if lay.compressed and rnd.phase is not Phase.DENSE:
             matrix = None if grad is None else grad.reshape(lay.n, lay.m).to(lay.dtype)
-            error, basis = self.errors[name], self._bases[name]
-            if rnd.phase is Phase.P:
-                compress_(matrix, error, basis, out)
-            else:
-                compress_(None if matrix is None else matrix.t(), error.t(), basis, out)
+            started = time.perf_counter()
+            self._compress(rnd.phase, name, matrix, out)
+            self.compression_seconds += time.perf_counter() - started
         elif grad is None:
             out.zero_()
         else:
@@ -254,8 +265,25 @@ class ACPReducer:
         b_index = rnd.where[name][0]
         rnd.ready[b_index] += 1
         if rnd.ready[b_index] == len(rnd.buckets[b_index].slots):
-            rnd.handles[b_index] = self.comm.allreduce_async_(
-                rnd.buffers[b_index], rnd.buckets[b_index].name)
+            self._launch(rnd, b_index)
+
+    def _launch(self, rnd: _Round, b_index: int) -> None:
+        rnd.handles[b_index] = self.comm.allreduce_async_(
+            rnd.buffers[b_index], rnd.buckets[b_index].name)
+
+    def _compress(self, phase: Phase, name: str, matrix: Optional[Tensor], out: Tensor) -> None:
+        """This rank's factor of ``name`` into ``out``, with error feedback.
+
+        Args:
+            phase: P or Q.
+            matrix: shape (n, m), the gradient, or None for a zero gradient.
+            out: shape (n, r) for P, (m, r) for Q; a view into a fused buffer.
+        """
+        error, basis = self.errors[name], self._bases[name]
+        if phase is Phase.P:
+            compress_(matrix, error, basis, out)
+        else:
+            compress_(None if matrix is None else matrix.t(), error.t(), basis, out)
 
     def synchronize(self) -> None:
         """Finish the round: all-reduce everything, write ``p.grad``, flip phase.
@@ -272,34 +300,50 @@ class ACPReducer:
                     self._fill(slot.name, self._dense_grad(slot.name, self.params[slot.name]))
         for b_index in range(len(rnd.buckets)):
             self.comm.synchronize(rnd.handles[b_index])
-        for bucket in rnd.buckets:
-            for slot in bucket.slots:
-                self._write_grad(rnd, slot.name)
+        started = time.perf_counter()
+        self._complete(rnd)
+        self.compression_seconds += time.perf_counter() - started
         self._round = None
         for name in self._passes:
             self._passes[name] = 0
         self.step_count += 1
         self.register_hooks()
 
-    def _write_grad(self, rnd: _Round, name: str) -> None:
-        lay, param = self.layouts[name], self.params[name]
-        averaged = self._slot_view(rnd, name)
+    def _complete(self, rnd: _Round) -> None:
+        """Turn the averaged buffers of the round into ``p.grad``."""
+        for bucket in rnd.buckets:
+            for slot in bucket.slots:
+                self._write_grad(rnd, slot.name)
+
+    def _grad_target(self, lay: TensorLayout, param: Tensor) -> Tuple[Tensor, bool]:
+        """An (n, m) matrix to write ``param``'s gradient into, in ``lay.dtype``.
+
+        Returns the matrix and whether it is ``param.grad`` itself (else the
+        caller copies it there).
+        """
         if param.grad is None:
             param.grad = torch.empty_like(param, memory_format=torch.contiguous_format)
         grad = param.grad
+        if grad.is_contiguous() and grad.dtype == lay.dtype:
+            return grad.view(lay.n, lay.m), True
+        return torch.empty(lay.n, lay.m, dtype=lay.dtype, device=self.device), False
+
+    def _write_grad(self, rnd: _Round, name: str) -> None:
+        lay, param = self.layouts[name], self.params[name]
+        averaged = self._slot_view(rnd, name)
         if lay.compressed and rnd.phase is not Phase.DENSE:
             factor = self.p_factors[name] if rnd.phase is Phase.P else self.q_factors[name]
             factor.copy_(averaged)
-            basis = self._bases[name]
-            direct = grad.is_contiguous() and grad.dtype == lay.dtype
-            matrix = (grad.view(lay.n, lay.m) if direct
-                      else torch.empty(lay.n, lay.m, dtype=lay.dtype, device=self.device))
+            matrix, direct = self._grad_target(lay, param)
             # P step: G = P Qh^T; Q step: G^T = Q Ph^T.
-            reconstruct_(matrix if rnd.phase is Phase.P else matrix.t(), factor, basis)
+            reconstruct_(matrix if rnd.phase is Phase.P else matrix.t(), factor,
+                         self._bases[name])
             if not direct:
-                grad.copy_(matrix.view(grad.shape))
+                param.grad.copy_(matrix.view(param.grad.shape))
         else:
-            grad.copy_(averaged.view(grad.shape))
+            if param.grad is None:
+                param.grad = torch.empty_like(param, memory_format=torch.contiguous_format)
+            param.grad.copy_(averaged.view(param.grad.shape))
 
     def discard_round(self) -> None:
         """Forget gradients counted since the last synchronize (no round launched)."""
