@@ -61,6 +61,10 @@ class Communicator:
         """Every rank's ``obj``, in rank order (a blocking collective)."""
         raise NotImplementedError
 
+    def broadcast_object(self, obj: Any, root_rank: int, name: str) -> Any:
+        """``obj`` of ``root_rank`` on every rank (a blocking collective)."""
+        raise NotImplementedError
+
     def _count(self, tensor: Tensor) -> None:
         self.stats.allreduces += 1
         self.stats.bytes_sent += tensor.numel() * tensor.element_size()
@@ -96,6 +100,9 @@ class LocalCommunicator(Communicator):
 
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
         return [obj]
+
+    def broadcast_object(self, obj: Any, root_rank: int, name: str) -> Any:
+        return obj
 
 
 @dataclasses.dataclass
@@ -166,3 +173,7 @@ class HorovodCommunicator(Communicator):
             out.append(pickle.load(io.BytesIO(gathered[offset:offset + size].numpy().tobytes())))
             offset += size
         return out
+
+    def broadcast_object(self, obj: Any, root_rank: int, name: str) -> Any:
+        return self._hvd.broadcast_object(obj, root_rank=root_rank, name=name,
+                                          process_set=self.process_set)

@@ -4,12 +4,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import numbers
+import weakref
 from collections import OrderedDict
 from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .comm import CommStats, Communicator
+from .comm import CommStats, Communicator, HorovodCommunicator
 from .reducer import ACPReducer
 
 logger = logging.getLogger(__name__)
@@ -111,7 +112,6 @@ class DistributedOptimizer(_LocalStep):
             error, named = exc, []
 
         if communicator is None:
-            from .comm import HorovodCommunicator
             communicator = HorovodCommunicator(op, gradient_predivide_factor, process_set,
                                                compression)
         self._comm = communicator
@@ -139,6 +139,14 @@ class DistributedOptimizer(_LocalStep):
         self.backward_passes_per_step = backward_passes_per_step
         self._synchronized = False
         self._should_synchronize = True
+        # The hooks die with the optimizer, so a model can be wrapped again
+        # once the previous optimizer is gone (or closed).
+        self._finalizer = weakref.finalize(self, self._reducer.remove_hooks)
+        for _, param in named:
+            param._hvd_acp_owner = weakref.ref(self)
+        if isinstance(communicator, HorovodCommunicator):
+            from .elastic import register_elastic_handler
+            register_elastic_handler()
 
     # --------------------------------------------- forwarding to the wrapped one
     @property
@@ -201,6 +209,26 @@ class DistributedOptimizer(_LocalStep):
     @property
     def reducer(self) -> ACPReducer:
         return self._reducer
+
+    def close(self) -> None:
+        """Remove the gradient hooks; the parameters may then be wrapped again."""
+        self._finalizer()
+        for param in self._reducer.params.values():
+            if getattr(param, "_hvd_acp_owner", lambda: None)() is self:
+                del param._hvd_acp_owner
+
+    def sync_compression_state(self, root_rank: int = 0) -> None:
+        """Make every rank's compression state equal to ``root_rank``'s.
+
+        Broadcasts the step count (hence the phase) and the factors P and Q,
+        and resets every rank's error feedback to zero, which is the one
+        choice valid for any set of ranks: residuals are rank-local and
+        meaningless on a rank that joined later. A collective: call it on
+        every rank. Elastic training calls it on every (re)start.
+        """
+        state = self._reducer.state_dict(with_error=False)
+        state = self._comm.broadcast_object(state, root_rank, name="hvd_acp.sync_state")
+        self._reducer.load_state_dict(state, reset_error_feedback=True)
 
     def synchronize(self) -> None:
         """Wait for all-reduces and write the averaged gradients into ``p.grad``.
@@ -350,6 +378,12 @@ def _validate(optimizer, named_parameters, compression, backward_passes_per_step
         named = [(by_param[p], p) for p in params]
     seen = set()
     for name, p in named:
+        owner = getattr(p, "_hvd_acp_owner", lambda: None)()
+        if owner is not None:
+            raise ValueError(
+                f"parameter {name!r} is already handled by another hvd_acp optimizer; "
+                "a parameter can belong to one DistributedOptimizer only (close() the "
+                "previous one before wrapping the parameters again)")
         if p in seen:
             raise ValueError(f"parameter {name!r} appears twice in the optimizer's param_groups")
         seen.add(p)

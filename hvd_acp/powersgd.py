@@ -55,6 +55,7 @@ class PowerSGDReducer(ACPReducer):
         if rnd.phase is Phase.DENSE:
             super()._complete(rnd)
             return
+        nonfinite = self._nonfinite_slots(rnd)
         compressed = []
         for bucket in rnd.buckets:
             for slot in bucket.slots:
@@ -78,13 +79,16 @@ class PowerSGDReducer(ACPReducer):
             self.comm.synchronize(handle)
         # Waiting for the second all-reduce is communication, not compression.
         self.compression_seconds -= time.perf_counter() - waited
+        nonfinite |= self._nonfinite_slots(second)
         for name in compressed:
             lay, param = self.layouts[name], self.params[name]
-            q = self.q_factors[name]
-            q.copy_(self._slot_view(second, name))
+            q = self._slot_view(second, name)
+            if name not in nonfinite:
+                q = self.q_factors[name].copy_(q)             # warm start of the next step
             matrix, direct = self._grad_target(lay, param)
             reconstruct_(matrix, self.p_factors[name], q)     # G = Ph Q^T
-            self.errors[name].sub_(matrix)                    # E = A - G
+            if name not in nonfinite:
+                self.errors[name].sub_(matrix)                # E = A - G
             if not direct:
                 param.grad.copy_(matrix.view(param.grad.shape))
 

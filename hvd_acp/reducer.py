@@ -90,6 +90,8 @@ class ACPReducer:
         #: Seconds spent in compression maths (hooks, orthonormalization,
         #: reconstruction) since construction; benchmarks read it.
         self.compression_seconds = 0.0
+        #: Steps whose averaged payload was non-finite (state repaired).
+        self.nonfinite_steps = 0
 
         devices = {p.device for p in self.params.values()}
         if len(devices) > 1:
@@ -230,6 +232,7 @@ class ACPReducer:
 
     def _open_round(self) -> _Round:
         if self._round is None:
+            self.register_hooks()
             self._prepare_bases()
             phase = self._round_phase()
             self._round = _Round(phase, *self._plan(phase, self._active_names()))
@@ -311,9 +314,36 @@ class ACPReducer:
 
     def _complete(self, rnd: _Round) -> None:
         """Turn the averaged buffers of the round into ``p.grad``."""
+        nonfinite = self._nonfinite_slots(rnd)
         for bucket in rnd.buckets:
             for slot in bucket.slots:
-                self._write_grad(rnd, slot.name)
+                self._write_grad(rnd, slot.name, slot.name not in nonfinite)
+
+    def _nonfinite_slots(self, rnd: _Round) -> set:
+        """Names whose averaged payload holds inf or NaN (e.g. an fp16 overflow).
+
+        The averaged buffers are identical on every rank, so every rank finds
+        the same names and repairs the same state: the factor keeps its
+        previous value and the residual restarts from zero. The non-finite
+        gradient still reaches ``p.grad``, where a ``GradScaler`` sees it and
+        skips the step.
+        """
+        bad = set()
+        for bucket, buffer in zip(rnd.buckets, rnd.buffers):
+            if bool(torch.isfinite(buffer).all()):
+                continue
+            for slot in bucket.slots:
+                view = buffer[slot.offset:slot.offset + slot.numel]
+                if not bool(torch.isfinite(view).all()):
+                    bad.add(slot.name)
+        for name in bad:
+            if name in self.errors:
+                self.errors[name].zero_()
+        if bad:
+            self.nonfinite_steps += 1
+            logger.info("step %d: non-finite averaged gradient for %d tensor(s); "
+                        "factors kept, error feedback reset", self.step_count, len(bad))
+        return bad
 
     def _grad_target(self, lay: TensorLayout, param: Tensor) -> Tuple[Tensor, bool]:
         """An (n, m) matrix to write ``param``'s gradient into, in ``lay.dtype``.
@@ -328,12 +358,19 @@ class ACPReducer:
             return grad.view(lay.n, lay.m), True
         return torch.empty(lay.n, lay.m, dtype=lay.dtype, device=self.device), False
 
-    def _write_grad(self, rnd: _Round, name: str) -> None:
+    def _write_grad(self, rnd: _Round, name: str, commit: bool = True) -> None:
+        """Write the averaged gradient of ``name`` into ``p.grad``.
+
+        With ``commit`` the averaged factor becomes the state reused by the
+        next step; without (a non-finite round) the state is left alone.
+        """
         lay, param = self.layouts[name], self.params[name]
         averaged = self._slot_view(rnd, name)
         if lay.compressed and rnd.phase is not Phase.DENSE:
-            factor = self.p_factors[name] if rnd.phase is Phase.P else self.q_factors[name]
-            factor.copy_(averaged)
+            factor = averaged
+            if commit:
+                factor = self.p_factors[name] if rnd.phase is Phase.P else self.q_factors[name]
+                factor.copy_(averaged)
             matrix, direct = self._grad_target(lay, param)
             # P step: G = P Qh^T; Q step: G^T = Q Ph^T.
             reconstruct_(matrix if rnd.phase is Phase.P else matrix.t(), factor,
@@ -346,7 +383,14 @@ class ACPReducer:
             param.grad.copy_(averaged.view(param.grad.shape))
 
     def discard_round(self) -> None:
-        """Forget gradients counted since the last synchronize (no round launched)."""
+        """Forget the round in progress: counted passes, filled slots, handles.
+
+        Used when state is restored after a failure (elastic training), when
+        the in-flight all-reduces will never complete.
+        """
+        if self.round_open:
+            logger.warning("discarding the gradients of an unfinished step")
+        self._round = None
         for name in self._passes:
             self._passes[name] = 0
 
@@ -355,8 +399,12 @@ class ACPReducer:
         """Elements one rank sends in a step of ``phase`` (all tensors active)."""
         return sum(lay.payload_numel(phase) for lay in self.layouts.values())
 
-    def state_dict(self) -> dict:
-        """Compression state of this rank, keyed by parameter name."""
+    def state_dict(self, with_error: bool = True) -> dict:
+        """Compression state of this rank, keyed by parameter name.
+
+        Args:
+            with_error: include this rank's error-feedback residuals.
+        """
         return {
             "version": STATE_FORMAT_VERSION,
             "step_count": self.step_count,
@@ -366,8 +414,9 @@ class ACPReducer:
             "world_size": self.comm.size(),
             "rank": self.comm.rank(),
             "params": {
-                name: {"P": self.p_factors[name].clone(), "Q": self.q_factors[name].clone(),
-                       "error": self.errors[name].clone()}
+                name: dict({"P": self.p_factors[name].clone(),
+                            "Q": self.q_factors[name].clone()},
+                           **({"error": self.errors[name].clone()} if with_error else {}))
                 for name in self.errors},
         }
 
@@ -383,9 +432,6 @@ class ACPReducer:
         if version != STATE_FORMAT_VERSION:
             raise ValueError(f"unsupported hvd_acp state format version {version!r}; "
                              f"this version reads {STATE_FORMAT_VERSION}")
-        if self.round_open:
-            raise RuntimeError("load_state_dict() called between backward() and step(); "
-                               "load checkpoints between steps")
         saved = state["params"]
         missing = sorted(set(self.errors) - set(saved))
         unexpected = sorted(set(saved) - set(self.errors))
@@ -395,13 +441,15 @@ class ACPReducer:
         for name, entry in saved.items():
             for key, target in (("P", self.p_factors[name]), ("Q", self.q_factors[name]),
                                 ("error", self.errors[name])):
+                if key == "error" and (reset_error_feedback or key not in entry):
+                    continue
                 value = entry[key]
                 if tuple(value.shape) != tuple(target.shape):
                     raise ValueError(
                         f"hvd_acp state for {name!r}: {key} has shape {tuple(value.shape)}, "
                         f"expected {tuple(target.shape)} (different matrix_rank or model?)")
                 target.copy_(value)
-            if reset_error_feedback:
+            if reset_error_feedback or "error" not in entry:
                 self.errors[name].zero_()
         self.step_count = int(state["step_count"])
         self.discard_round()

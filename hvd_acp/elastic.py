@@ -1,0 +1,33 @@
+"""Elastic Horovod: keep the compression state consistent across resets.
+
+``hvd.elastic.TorchState(model=model, optimizer=opt)`` picks a state handler
+for each value from Horovod's handler registry. The handler registered here
+does what Horovod's optimizer handler does (save, restore and broadcast the
+wrapped optimizer's state) and, on every sync, also broadcasts the factors
+and step count from rank 0 and resets the error feedback, so that a worker
+that joined later starts from the same factors and phase as the others.
+"""
+from __future__ import annotations
+
+from horovod.torch.elastic.state import (OptimizerStateHandler, get_handler_registry,
+                                         set_handler_registry)
+
+from .optimizer import DistributedOptimizer
+
+__all__ = ["CompressedOptimizerStateHandler", "register_elastic_handler"]
+
+
+class CompressedOptimizerStateHandler(OptimizerStateHandler):
+    """Horovod elastic state handler for :class:`hvd_acp.DistributedOptimizer`."""
+
+    def sync(self) -> None:
+        super().sync()
+        self.value.sync_compression_state(root_rank=0)
+
+
+def register_elastic_handler() -> None:
+    """Put the handler first in Horovod's registry (idempotent)."""
+    registry = list(get_handler_registry())
+    if any(handler is CompressedOptimizerStateHandler for _, handler in registry):
+        return
+    set_handler_registry([(DistributedOptimizer, CompressedOptimizerStateHandler)] + registry)
