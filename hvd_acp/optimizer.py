@@ -118,8 +118,9 @@ class DistributedOptimizer(_LocalStep):
         # Every rank must raise, or none: a rank that raises alone leaves the
         # others waiting in their first all-reduce.
         _agree(communicator, error, _signature(
-            named, matrix_rank, fusion_threshold_bytes, min_compression_rate,
-            warmup_steps, seed, backward_passes_per_step))
+            named, matrix_rank=matrix_rank, fusion_threshold_bytes=fusion_threshold_bytes,
+            min_compression_rate=min_compression_rate, warmup_steps=warmup_steps, seed=seed,
+            backward_passes_per_step=backward_passes_per_step))
 
         names_by_param = {p: n for n, p in named}
         explicit_groups = None
@@ -398,7 +399,7 @@ def _validate(optimizer, named_parameters, compression, backward_passes_per_step
     return named
 
 
-def _signature(named, *settings) -> Any:
+def _signature(named, **settings) -> Any:
     return ([(n, tuple(p.shape), str(p.dtype)) for n, p in named], settings)
 
 
@@ -427,8 +428,11 @@ def _describe_mismatch(rank: int, reference, other) -> str:
     ref_params, ref_settings = reference
     params, settings = other
     if ref_settings != settings:
-        return (f"hvd_acp settings differ between rank 0 {ref_settings} and rank {rank} "
-                f"{settings}; pass the same arguments on every rank")
+        differing = "; ".join(
+            f"{key}={value!r} on rank 0 but {settings[key]!r} on rank {rank}"
+            for key, value in ref_settings.items() if settings[key] != value)
+        return (f"hvd_acp settings differ between ranks: {differing}; pass the same "
+                "arguments on every rank")
     ref_map, other_map = dict((n, s) for n, *s in ref_params), dict((n, s) for n, *s in params)
     for name in sorted(set(ref_map) | set(other_map)):
         if ref_map.get(name) != other_map.get(name):

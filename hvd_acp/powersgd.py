@@ -66,6 +66,7 @@ class PowerSGDReducer(ACPReducer):
                 else:
                     self._write_grad(rnd, slot.name)
         if not compressed:
+            self._count_nonfinite(nonfinite)
             return
         orthonormalize_(self.p_factors[name] for name in compressed)
         buckets, buffers = self._plan(Phase.Q, tuple(compressed))
@@ -80,6 +81,7 @@ class PowerSGDReducer(ACPReducer):
         # Waiting for the second all-reduce is communication, not compression.
         self.compression_seconds -= time.perf_counter() - waited
         nonfinite |= self._nonfinite_slots(second)
+        self._count_nonfinite(nonfinite)
         for name in compressed:
             lay, param = self.layouts[name], self.params[name]
             q = self._slot_view(second, name)

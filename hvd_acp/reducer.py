@@ -315,9 +315,16 @@ class ACPReducer:
     def _complete(self, rnd: _Round) -> None:
         """Turn the averaged buffers of the round into ``p.grad``."""
         nonfinite = self._nonfinite_slots(rnd)
+        self._count_nonfinite(nonfinite)
         for bucket in rnd.buckets:
             for slot in bucket.slots:
                 self._write_grad(rnd, slot.name, slot.name not in nonfinite)
+
+    def _count_nonfinite(self, names: set) -> None:
+        if names:
+            self.nonfinite_steps += 1
+            logger.info("step %d: non-finite averaged gradient for %d tensor(s); "
+                        "factors kept, error feedback reset", self.step_count, len(names))
 
     def _nonfinite_slots(self, rnd: _Round) -> set:
         """Names whose averaged payload holds inf or NaN (e.g. an fp16 overflow).
@@ -339,10 +346,6 @@ class ACPReducer:
         for name in bad:
             if name in self.errors:
                 self.errors[name].zero_()
-        if bad:
-            self.nonfinite_steps += 1
-            logger.info("step %d: non-finite averaged gradient for %d tensor(s); "
-                        "factors kept, error feedback reset", self.step_count, len(bad))
         return bad
 
     def _grad_target(self, lay: TensorLayout, param: Tensor) -> Tuple[Tensor, bool]:
