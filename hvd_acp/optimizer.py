@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import numbers
+import os
 import weakref
 from collections import OrderedDict
 from typing import Any, Iterable, List, Optional, Sequence, Tuple
@@ -116,11 +117,19 @@ class DistributedOptimizer(_LocalStep):
                                                compression)
         self._comm = communicator
         # Every rank must raise, or none: a rank that raises alone leaves the
-        # others waiting in their first all-reduce.
-        _agree(communicator, error, _signature(
-            named, matrix_rank=matrix_rank, fusion_threshold_bytes=fusion_threshold_bytes,
-            min_compression_rate=min_compression_rate, warmup_steps=warmup_steps, seed=seed,
-            backward_passes_per_step=backward_passes_per_step))
+        # others waiting in their first all-reduce. Elastic jobs skip this
+        # collective: a worker that joins later builds its optimizer while the
+        # others are inside Horovod's state sync; it is checked against rank
+        # 0's state in sync_compression_state() instead.
+        elastic = (isinstance(communicator, HorovodCommunicator)
+                   and os.environ.get("HOROVOD_ELASTIC") == "1")
+        if elastic and error is not None:
+            raise error
+        if not elastic:
+            _agree(communicator, error, _signature(
+                named, matrix_rank=matrix_rank, fusion_threshold_bytes=fusion_threshold_bytes,
+                min_compression_rate=min_compression_rate, warmup_steps=warmup_steps,
+                seed=seed, backward_passes_per_step=backward_passes_per_step))
 
         names_by_param = {p: n for n, p in named}
         explicit_groups = None

@@ -18,14 +18,17 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def horovodrun(script: str, *args: str, np: int = 2, timeout: float = 180,
-               env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+               env: dict | None = None, check: bool = True,
+               hosts: list[str] | None = None) -> subprocess.CompletedProcess:
     """Run ``tests/workers/<script>`` on ``np`` local ranks; returns the result.
 
     With ``check`` the test fails unless every rank exited 0; the output of
-    all ranks is shown on failure.
+    all ranks is shown on failure. ``hosts`` replaces the default
+    ``-H localhost:np`` (e.g. elastic options with a discovery script).
     """
     launcher = Path(sys.executable).with_name("horovodrun")
-    cmd = [str(launcher), "-np", str(np), "-H", f"localhost:{np}", "--gloo",
+    hosts = hosts if hosts is not None else ["-H", f"localhost:{np}"]
+    cmd = [str(launcher), "-np", str(np), *hosts, "--gloo",
            sys.executable, str(WORKERS / script), *args]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                     PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
