@@ -1,0 +1,197 @@
+"""The compression maths of ACP-SGD, in one process (hvd_acp.compression)."""
+import pytest
+import torch
+from torch.testing import assert_close
+
+from hvd_acp.compression import (Phase, compress_, compute_dtype, factor_rank, init_factor,
+                                 matrix_shape, orthonormalize_, reconstruct_, should_compress)
+
+F64 = torch.float64
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape, seed):
+    return torch.randn(*shape, generator=_gen(seed), dtype=F64)
+
+
+def _orthonormalized(matrix):
+    out = matrix.clone()
+    orthonormalize_([out])
+    return out
+
+
+def _acp_steps(grads_per_step, n, m, r, check):
+    """Run ACP-SGD over simulated ranks, calling ``check`` after every step.
+
+    ``grads_per_step[t][i]`` is rank i's gradient (n, m) at step t. The P and
+    Q factors are averaged over the simulated ranks exactly as the reducer
+    does after its all-reduce; each rank keeps its own residual.
+    """
+    world = len(grads_per_step[0])
+    p_factor = _randn(n, r, seed=100)
+    q_factor = _randn(m, r, seed=101)
+    errors = [torch.zeros(n, m, dtype=F64) for _ in range(world)]
+    for step, grads in enumerate(grads_per_step):
+        phase = Phase.P if step % 2 == 0 else Phase.Q
+        before = [e.clone() for e in errors]
+        if phase is Phase.P:
+            basis = _orthonormalized(q_factor)
+            local = [torch.empty(n, r, dtype=F64) for _ in range(world)]
+            for g, e, out in zip(grads, errors, local):
+                compress_(g, e, basis, out)
+            p_factor = torch.stack(local).mean(0)
+            recon = [out @ basis.t() for out in local]
+            applied = torch.empty(n, m, dtype=F64)
+            reconstruct_(applied, p_factor, basis)
+        else:
+            basis = _orthonormalized(p_factor)
+            local = [torch.empty(m, r, dtype=F64) for _ in range(world)]
+            for g, e, out in zip(grads, errors, local):
+                compress_(g.t(), e.t(), basis, out)
+            q_factor = torch.stack(local).mean(0)
+            recon = [basis @ out.t() for out in local]
+            applied = torch.empty(n, m, dtype=F64)
+            # The reducer writes G^T = Q Ph^T through a transposed view.
+            reconstruct_(applied.t(), q_factor, basis)
+        check(phase, grads, before, errors, recon, applied, basis)
+
+
+def test_error_feedback_identity_holds_for_every_rank_and_step():
+    n, m, r, world, steps = 7, 5, 2, 2, 6
+    grads = [[_randn(n, m, seed=10 * t + i) for i in range(world)] for t in range(steps)]
+    phases = []
+
+    def check(phase, grads, before, after, recon, applied, basis):
+        phases.append(phase)
+        for g, e_before, e_after, local in zip(grads, before, after, recon):
+            # P step: M + E_before == P_i Qh^T + E_after; Q step: ... == Ph Q_i^T + E_after.
+            assert_close(g + e_before, local + e_after)
+        assert_close(applied, torch.stack(recon).mean(0))
+        # Low rank r < min(n, m): the residual cannot be zero.
+        assert all(e.abs().max() > 1e-6 for e in after)
+
+    _acp_steps(grads, n, m, r, check)
+    assert phases == [Phase.P, Phase.Q] * 3
+
+
+def test_error_feedback_with_missing_gradient_keeps_the_residual_flowing():
+    n, m, r = 6, 4, 2
+    error = _randn(n, m, seed=1)
+    before = error.clone()
+    basis = _orthonormalized(_randn(m, r, seed=2))
+    out = torch.empty(n, r, dtype=F64)
+    compress_(None, error, basis, out)
+    assert_close(out, before @ basis)
+    assert_close(before, out @ basis.t() + error)
+
+
+def test_square_full_rank_is_exact_in_both_phases():
+    n = 5
+    grads = [[_randn(n, n, seed=10 * t + i) for i in range(2)] for t in range(4)]
+    seen = []
+
+    def check(phase, grads, before, after, recon, applied, basis):
+        seen.append(phase)
+        for e in after:
+            assert_close(e, torch.zeros_like(e), atol=1e-12, rtol=0)
+        assert_close(applied, torch.stack(grads).mean(0), atol=1e-12, rtol=1e-12)
+
+    _acp_steps(grads, n, n, n, check)
+    assert seen == [Phase.P, Phase.Q, Phase.P, Phase.Q]
+
+
+def test_tall_matrix_with_r_equal_to_m_is_exact_only_in_the_p_phase():
+    n, m = 6, 3
+    grads = [[_randn(n, m, seed=t)] for t in range(2)]
+    residual = {}
+
+    def check(phase, grads, before, after, recon, applied, basis):
+        residual[phase] = after[0].abs().max().item()
+        if phase is Phase.P:
+            assert_close(applied, grads[0], atol=1e-12, rtol=1e-12)
+
+    _acp_steps(grads, n, m, m, check)
+    assert residual[Phase.P] < 1e-12
+    assert residual[Phase.Q] > 1e-3
+
+
+def _assert_orthonormal(matrix):
+    eye = torch.eye(matrix.shape[1], dtype=matrix.dtype)
+    assert_close(matrix.t() @ matrix, eye, atol=1e-10, rtol=0)
+
+
+def test_orthonormalize_gives_orthonormal_columns_spanning_the_same_space():
+    original = _randn(9, 3, seed=3)
+    ortho = _orthonormalized(original)
+    _assert_orthonormal(ortho)
+    # Same column space: projecting the original onto it changes nothing.
+    assert_close(ortho @ (ortho.t() @ original), original)
+
+
+def test_orthonormalize_batches_same_shapes_and_handles_mixed_shapes():
+    originals = [_randn(8, 2, seed=s) for s in range(3)] + [_randn(5, 3, seed=9)]
+    batch = [x.clone() for x in originals]
+    orthonormalize_(batch)
+    for x, original in zip(batch, originals):
+        _assert_orthonormal(x)
+        # Batching must not mix matrices: each equals its own factorization.
+        assert_close(x, _orthonormalized(original), atol=1e-12, rtol=0)
+
+
+def test_orthonormalize_of_a_zero_matrix_has_no_nan():
+    for dtype in (torch.float32, F64):
+        zero = torch.zeros(6, 2, dtype=dtype)
+        other = torch.randn(6, 2, generator=_gen(0), dtype=dtype)
+        orthonormalize_([zero, other])
+        assert torch.isfinite(zero).all()
+        assert_close(zero.t() @ zero, torch.eye(2, dtype=dtype))
+
+
+def test_reconstruct_writes_the_product_ignoring_old_contents():
+    factor, basis = _randn(4, 2, seed=1), _randn(3, 2, seed=2)
+    target = torch.full((4, 3), float("nan"), dtype=F64)
+    reconstruct_(target, factor, basis)
+    assert_close(target, factor @ basis.t())
+
+
+def test_matrix_shape_and_factor_rank():
+    assert matrix_shape((16, 3, 3, 3)) == (16, 27)
+    assert matrix_shape((5,)) == (5, 1)
+    assert matrix_shape(()) == (1, 1)
+    assert factor_rank(16, 27, 4) == 4
+    assert factor_rank(3, 27, 4) == 3
+    assert factor_rank(16, 2, 4) == 2
+
+
+def test_should_compress_boundary():
+    # (n + m) r * rate <= n m: (8 + 8) * 2 * 2 == 64 == 8 * 8.
+    assert should_compress((8, 8), 2, 2.0)
+    assert not should_compress((8, 8), 2, 2.01)
+    assert not should_compress((64,), 2, 0.0)
+    assert should_compress((16, 3, 3, 3), 4, 2.0)
+    assert not should_compress((2, 32), 4, 2.0)
+
+
+def test_compute_dtype_promotes_half_precision_only():
+    assert compute_dtype(torch.float16) is torch.float32
+    assert compute_dtype(torch.bfloat16) is torch.float32
+    assert compute_dtype(torch.float32) is torch.float32
+    assert compute_dtype(F64) is F64
+
+
+def test_init_factor_is_reproducible_from_the_seed():
+    a = init_factor(5, 2, _gen(7), torch.float32, torch.device("cpu"))
+    b = init_factor(5, 2, _gen(7), torch.float32, torch.device("cpu"))
+    c = init_factor(5, 2, _gen(8), torch.float32, torch.device("cpu"))
+    assert a.dtype is torch.float32 and a.shape == (5, 2)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("phase, expected", [(Phase.P, Phase.Q), (Phase.Q, Phase.P),
+                                             (Phase.DENSE, Phase.DENSE)])
+def test_phase_flipped(phase, expected):
+    assert phase.flipped() is expected

@@ -1,0 +1,428 @@
+"""hvd_acp.DistributedOptimizer in one process, through a LocalCommunicator."""
+import re
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+import hvd_acp
+from hvd_acp.compression import Phase
+from hvd_acp.fusion import plan_buckets
+
+F64 = torch.float64
+
+
+class ConvNet(nn.Module):
+    """conv.weight (16, 27) and fc1.weight (32, 256) are compressed at rank 2;
+    fc2.weight (2, 32) is not: (2 + 32) * 2 * 2 > 2 * 32."""
+
+    COMPRESSED = {"conv.weight", "fc1.weight"}
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3)
+        self.fc1 = nn.Linear(256, 32)
+        self.fc2 = nn.Linear(32, 2)
+
+    def forward(self, x):
+        x = torch.relu(self.conv(x)).flatten(1)
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _conv_net(dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    return ConvNet().to(dtype)
+
+
+def _conv_input(step, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(4, 3, 6, 6, generator=gen, dtype=dtype)
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(12, 10), nn.Tanh(), nn.Linear(10, 6)).double()
+
+
+def _mlp_input(step):
+    gen = torch.Generator().manual_seed(2000 + step)
+    return torch.randn(8, 12, generator=gen, dtype=F64)
+
+
+def _wrap(model, inner=None, comm=None, **kwargs):
+    inner = inner or torch.optim.SGD(model.parameters(), lr=0.1)
+    comm = comm or hvd_acp.LocalCommunicator()
+    kwargs.setdefault("matrix_rank", 2)
+    opt = hvd_acp.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                       communicator=comm, **kwargs)
+    return opt, comm
+
+
+def _backward(model, x):
+    model(x).pow(2).mean().backward()
+
+
+def _params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _wire_elements(model, phase, compressed, r):
+    total = 0
+    for name, p in model.named_parameters():
+        n = p.shape[0]
+        m = p.numel() // n
+        if name in compressed:
+            total += (n if phase is Phase.P else m) * r
+        else:
+            total += p.numel()
+    return total
+
+
+# ------------------------------------------------------------------ wire volume
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("threshold", [0, 1 << 30])
+def test_wire_volume_per_step_alternates_between_p_and_q(dtype, threshold):
+    model = _conv_net(dtype)
+    opt, comm = _wrap(model, fusion_threshold_bytes=threshold)
+    assert {n for n, l in opt.reducer.layouts.items() if l.compressed} == ConvNet.COMPRESSED
+    size = torch.empty((), dtype=dtype).element_size()
+    phases = []
+    for step in range(4):
+        phases.append(opt.phase)
+        sent = comm.stats.bytes_sent
+        opt.zero_grad()
+        _backward(model, _conv_input(step, dtype))
+        opt.step()
+        elements = _wire_elements(model, phases[-1], ConvNet.COMPRESSED, r=2)
+        assert comm.stats.bytes_sent - sent == elements * size
+        assert opt.comm_stats is comm.stats
+    assert phases == [Phase.P, Phase.Q, Phase.P, Phase.Q]
+    # Sanity of the expectation itself: P sends 16*2 + 32*2 factor elements.
+    uncompressed = 16 + 32 + 2 * 32 + 2
+    assert _wire_elements(model, Phase.P, ConvNet.COMPRESSED, 2) == 96 + uncompressed
+    assert _wire_elements(model, Phase.Q, ConvNet.COMPRESSED, 2) == 27 * 2 + 256 * 2 + uncompressed
+
+
+# ------------------------------------------------- one all-reduce per buffer
+@pytest.mark.parametrize("threshold, buffers", [(0, {6}), (4000, {3, 4}), (1 << 30, {1})])
+def test_one_allreduce_per_buffer_launched_during_backward(threshold, buffers):
+    model = _conv_net()
+    opt, comm = _wrap(model, fusion_threshold_bytes=threshold)
+    layouts = list(opt.reducer.layouts.values())
+    for step in range(4):
+        plan = plan_buckets(layouts, opt.phase, threshold)
+        assert len(plan) in buffers
+        start = len(comm.launched)
+        opt.zero_grad()
+        _backward(model, _conv_input(step))
+        # Every parameter got a gradient: all buffers are already in flight.
+        during_backward = comm.launched[start:]
+        opt.step()
+        assert comm.launched[start:] == during_backward
+        assert sorted(during_backward) == sorted(b.name for b in plan)
+        assert comm.stats.allreduces == len(comm.launched)
+
+
+def test_gradient_accumulation_launches_once_per_buffer():
+    model = _conv_net()
+    opt, comm = _wrap(model, fusion_threshold_bytes=0, backward_passes_per_step=2)
+    for step in range(2):
+        start = len(comm.launched)
+        opt.zero_grad()
+        _backward(model, _conv_input(2 * step))
+        assert comm.launched[start:] == []
+        _backward(model, _conv_input(2 * step + 1))
+        assert len(comm.launched) - start == 6
+        opt.step()
+        assert len(comm.launched) - start == 6
+        assert len(set(comm.launched[start:])) == 6
+
+
+def test_parameter_without_gradient_is_still_reduced_once():
+    model = _conv_net()
+    opt, comm = _wrap(model, fusion_threshold_bytes=0)
+    x = torch.relu(model.conv(_conv_input(0))).flatten(1)
+    model.fc1(x).sum().backward()        # fc2 gets no gradient
+    opt.step()
+    assert len(comm.launched) == len(set(comm.launched)) == 6
+    assert torch.count_nonzero(model.fc2.weight.grad) == 0
+
+
+# ------------------------------------------------------------- applied update
+def test_update_of_a_compressed_matrix_has_rank_at_most_r():
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 12, bias=False).double()
+    opt, _ = _wrap(layer, torch.optim.SGD(layer.parameters(), lr=1.0), matrix_rank=2)
+    assert opt.reducer.layouts["weight"].compressed
+    for step in range(4):
+        before = layer.weight.detach().clone()
+        opt.zero_grad()
+        x = torch.randn(10, 16, generator=torch.Generator().manual_seed(step), dtype=F64)
+        layer(x).pow(2).sum().backward()
+        local_rank = torch.linalg.matrix_rank(layer.weight.grad).item()
+        opt.step()
+        delta = before - layer.weight.detach()
+        assert_close(delta, layer.weight.grad)
+        assert local_rank > 2
+        assert 1 <= torch.linalg.matrix_rank(delta).item() <= 2
+
+
+def test_error_feedback_identity_through_the_optimizer():
+    model = _conv_net(F64)
+    opt, _ = _wrap(model, fusion_threshold_bytes=0)
+    errors = opt.reducer.errors
+    assert set(errors) == ConvNet.COMPRESSED
+    for step in range(4):
+        # The hooks update the residual during backward.
+        before = {n: e.clone() for n, e in errors.items()}
+        opt.zero_grad()
+        _backward(model, _conv_input(step, F64))
+        local = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        params = dict(model.named_parameters())
+        for name in ConvNet.COMPRESSED:
+            shape = errors[name].shape
+            # World size 1: the applied G is this rank's P_i Qh^T (or Ph Q_i^T).
+            assert_close(local[name].reshape(shape) + before[name],
+                         params[name].grad.reshape(shape) + errors[name])
+            assert errors[name].abs().max() > 0
+
+
+def _square_net(width=10, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(width, width, bias=False), nn.Tanh(),
+                         nn.Linear(width, width, bias=False), nn.Tanh(),
+                         nn.Linear(width, width, bias=False)).double()
+
+
+def test_square_layers_at_full_rank_match_plain_sgd():
+    model, reference, initial = _square_net(), _square_net(), _square_net()
+    opt, _ = _wrap(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                   matrix_rank=10, min_compression_rate=0)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    assert all(l.compressed and l.r == 10 for l in opt.reducer.layouts.values())
+    for step in range(5):
+        x = torch.randn(6, 10, generator=torch.Generator().manual_seed(step), dtype=F64)
+        for net, o in ((model, opt), (reference, ref_opt)):
+            o.zero_grad()
+            _backward(net, x)
+            o.step()
+    assert opt.step_count == 5
+    for (name, p), q, p0 in zip(model.named_parameters(), reference.parameters(),
+                                initial.parameters()):
+        assert not torch.equal(p, p0)
+        assert_close(p, q, atol=1e-12, rtol=1e-10, msg=name)
+    for error in opt.reducer.errors.values():
+        assert error.abs().max() < 1e-12
+
+
+# ------------------------------------------------------------------- warm-up
+def test_warmup_steps_average_densely_then_alternate():
+    model = _mlp()
+    opt, comm = _wrap(model, fusion_threshold_bytes=0, warmup_steps=2, min_compression_rate=1)
+    compressed = {n for n, l in opt.reducer.layouts.items() if l.compressed}
+    assert compressed == {"0.weight", "2.weight"}
+    dense_elements = sum(p.numel() for p in model.parameters())
+    phases = []
+    for step in range(5):
+        phases.append(opt.phase)
+        start, sent = len(comm.launched), comm.stats.bytes_sent
+        opt.zero_grad()
+        _backward(model, _mlp_input(step))
+        local = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        names = comm.launched[start:]
+        assert len(names) == 4
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        if step < 2:
+            assert all(f".{Phase.DENSE.value}." in name for name in names)
+            assert comm.stats.bytes_sent - sent == dense_elements * 8
+            for name in local:
+                assert torch.equal(grads[name], local[name]), name
+            assert all(torch.count_nonzero(e) == 0 for e in opt.reducer.errors.values())
+        else:
+            assert all(f".{phases[-1].value}." in name for name in names)
+            elements = _wire_elements(model, phases[-1], compressed, r=2)
+            assert comm.stats.bytes_sent - sent == elements * 8
+            for name in compressed:
+                assert not torch.allclose(grads[name], local[name]), name
+    assert phases == [Phase.DENSE, Phase.DENSE, Phase.P, Phase.Q, Phase.P]
+
+
+# ------------------------------------------------------------- initial factors
+def test_initial_factors_depend_only_on_the_seed_and_leave_the_global_rng_alone():
+    factors = []
+    for seed, global_seed in ((3, 11), (3, 12), (4, 11)):
+        model = _conv_net()
+        torch.manual_seed(global_seed)
+        rng = torch.random.get_rng_state()
+        opt, _ = _wrap(model, seed=seed)
+        _backward(model, _conv_input(0))
+        opt.step()
+        assert torch.equal(torch.random.get_rng_state(), rng)
+        factors.append(opt.reducer)
+    first, same_seed, other_seed = factors
+    assert set(first.q_factors) == ConvNet.COMPRESSED
+    for name in ConvNet.COMPRESSED:
+        for attr in ("p_factors", "q_factors"):
+            assert torch.equal(getattr(first, attr)[name], getattr(same_seed, attr)[name])
+            assert not torch.equal(getattr(first, attr)[name], getattr(other_seed, attr)[name])
+
+
+def test_initial_factors_are_identical_before_any_step():
+    a, _ = _wrap(_conv_net(), seed=5)
+    torch.manual_seed(99)
+    b, _ = _wrap(_conv_net(), seed=5)
+    for name in ConvNet.COMPRESSED:
+        assert torch.equal(a.reducer.q_factors[name], b.reducer.q_factors[name])
+        assert torch.equal(a.reducer.p_factors[name], b.reducer.p_factors[name])
+
+
+# ------------------------------------------------------- wrapping an optimizer
+def test_wrapping_keeps_the_existing_momentum_buffers():
+    model = _mlp()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _backward(model, _mlp_input(0))
+    inner.step()
+    inner.zero_grad()
+    buffers = {n: inner.state[p]["momentum_buffer"].clone()
+               for n, p in model.named_parameters()}
+
+    opt, _ = _wrap(model, inner)
+    assert opt.state is inner.state and opt.param_groups is inner.param_groups
+    for name, p in model.named_parameters():
+        assert torch.equal(opt.state[p]["momentum_buffer"], buffers[name])
+
+    before = _params(model)
+    _backward(model, _mlp_input(1))
+    opt.step()
+    for name, p in model.named_parameters():
+        expected = 0.9 * buffers[name] + p.grad
+        assert_close(inner.state[p]["momentum_buffer"], expected)
+        assert_close(before[name] - p.detach(), 0.1 * expected)
+
+
+def test_lr_scheduler_on_the_wrapper_changes_the_lr_used():
+    model = _mlp()
+    opt, _ = _wrap(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)
+    for step, lr in enumerate((1.0, 0.1, 0.01)):
+        assert opt.optimizer.param_groups[0]["lr"] == pytest.approx(lr)
+        before = _params(model)
+        opt.zero_grad()
+        _backward(model, _mlp_input(step))
+        opt.step()
+        for name, p in model.named_parameters():
+            assert_close(before[name] - p.detach(), lr * p.grad)
+        with warnings.catch_warnings():
+            # "lr_scheduler.step() before optimizer.step()" would mean the
+            # scheduler did not see the wrapper's step().
+            warnings.simplefilter("error")
+            scheduler.step()
+
+
+# --------------------------------------------------- synchronize, clip, step
+@pytest.mark.parametrize("skip", [True, False])
+def test_step_after_synchronize_uses_the_clipped_gradient(skip):
+    model = _mlp()
+    opt, comm = _wrap(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    for step in range(2):
+        before = _params(model)
+        opt.zero_grad()
+        _backward(model, _mlp_input(step))
+        opt.synchronize()
+        launched = len(comm.launched)
+        averaged = {n: p.grad.clone() for n, p in model.named_parameters()}
+        norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in averaged.values()]))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.25 * norm.item())
+        clipped = {n: p.grad.clone() for n, p in model.named_parameters()}
+        if skip:
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
+        assert len(comm.launched) == launched
+        for name, p in model.named_parameters():
+            # clip_grad_norm_ divides by (norm + 1e-6): hence rtol.
+            assert_close(clipped[name], 0.25 * averaged[name], rtol=1e-4, atol=0)
+            assert torch.equal(p.grad, clipped[name])
+            assert_close(before[name] - p.detach(), clipped[name])
+    assert opt.step_count == 2
+
+
+# --------------------------------------------------------------- zero_grad
+def test_zero_grad_both_ways():
+    model = _mlp()
+    opt, _ = _wrap(model)
+    _backward(model, _mlp_input(0))
+    opt.step()
+    grads = [p.grad for p in model.parameters()]
+    opt.zero_grad(set_to_none=False)
+    for p, g in zip(model.parameters(), grads):
+        assert p.grad is g
+        assert torch.count_nonzero(p.grad) == 0
+    _backward(model, _mlp_input(1))
+    opt.step()
+    assert all(torch.count_nonzero(p.grad) > 0 for p in model.parameters())
+    opt.zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in model.parameters())
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_zero_grad_between_backward_and_step_is_refused():
+    model = _mlp()
+    opt, _ = _wrap(model)
+    _backward(model, _mlp_input(0))
+    with pytest.raises(RuntimeError, match="zero_grad"):
+        opt.zero_grad()
+    opt.step()
+    opt.zero_grad()
+    assert opt.step_count == 1
+
+
+# -------------------------------------------------------- argument validation
+@pytest.mark.parametrize("kwargs, argument", [
+    ({"matrix_rank": 0}, "matrix_rank"),
+    ({"matrix_rank": -1}, "matrix_rank"),
+    ({"matrix_rank": 2.5}, "matrix_rank"),
+    ({"matrix_rank": True}, "matrix_rank"),
+    ({"fusion_threshold_bytes": -1}, "fusion_threshold_bytes"),
+    ({"min_compression_rate": -0.5}, "min_compression_rate"),
+    ({"warmup_steps": -1}, "warmup_steps"),
+])
+def test_bad_settings_raise_value_error_naming_the_argument(kwargs, argument):
+    model = _mlp()
+    (value,) = kwargs.values()
+    with pytest.raises(ValueError, match=f"{argument}.*{re.escape(repr(value))}"):
+        _wrap(model, **kwargs)
+
+
+def test_duplicate_names_are_rejected():
+    model = _mlp()
+    named = [("layer", p) for p in model.parameters()]
+    with pytest.raises(ValueError, match="unique.*'layer'"):
+        hvd_acp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=named,
+                                     communicator=hvd_acp.LocalCommunicator())
+
+
+def test_parameters_missing_from_named_parameters_are_rejected():
+    model = _mlp()
+    named = list(model.named_parameters())[:-1]
+    with pytest.raises(ValueError, match=r"named_parameters.*not named.*\[3\]"):
+        hvd_acp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=named,
+                                     communicator=hvd_acp.LocalCommunicator())
+
+
+def test_non_floating_parameters_are_rejected():
+    weight = nn.Parameter(torch.zeros(4, 4))
+    counter = torch.zeros(4, dtype=torch.int64)
+    inner = torch.optim.SGD([{"params": [weight, counter]}], lr=0.1)
+    with pytest.raises(TypeError, match="'counter'.*torch.int64"):
+        hvd_acp.DistributedOptimizer(inner, named_parameters=[("weight", weight),
+                                                              ("counter", counter)],
+                                     communicator=hvd_acp.LocalCommunicator())
