@@ -12,7 +12,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["hvd_acp", "hvd_acp.*"]),
     python_requires=">=3.9",
-    install_requires=["torch>=1.13", "horovod>=0.28", "numpy"],
+    install_requires=["torch>=2.1", "horovod>=0.28", "numpy"],
     extras_require={
         "examples": ["scikit-learn", "tqdm", "matplotlib"],
         "bench": ["transformers", "tqdm", "matplotlib"],
