@@ -125,6 +125,7 @@ class ACPReducer:
         self._passes: Dict[str, int] = {name: 0 for name in self.params}
         self._round: Optional[_Round] = None
         self._bases_phase: Optional[Phase] = None
+        self._closed = False
         self.register_hooks()
 
     # ------------------------------------------------------------------ phase
@@ -160,12 +161,16 @@ class ACPReducer:
     # ------------------------------------------------------------------ hooks
     def register_hooks(self) -> None:
         """Hook every parameter that requires a gradient and has no hook yet."""
+        if self._closed:
+            return
         for name, param in self.params.items():
             if param.requires_grad and name not in self._hooks:
                 self._hooks[name] = param.register_post_accumulate_grad_hook(
                     self._make_hook(name))
 
     def remove_hooks(self) -> None:
+        """Remove every hook for good (the reducer no longer sees gradients)."""
+        self._closed = True
         for handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()

@@ -76,6 +76,11 @@ def test_closed_optimizer_leaves_no_hook():
     opt.close()
     loss_of(model).backward()           # would raise inside the hook if one were left
     assert opt.comm_stats.allreduces == 0
+    opt.step()                          # communicates in step(), but hooks stay removed
+    assert opt.comm_stats.allreduces == 1
+    model.zero_grad()
+    loss_of(model).backward()
+    loss_of(model).backward()           # a hook would raise: one pass per step
 
 
 def test_step_with_closure_is_rejected():
