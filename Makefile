@@ -24,3 +24,14 @@ test: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# S-SGD vs Power-SGD vs ACP-SGD on the examples (2 ranks, 3 seeds on digits,
+# 1 on the language model); writes docs/convergence.md and docs/img/.
+.PHONY: compare
+compare: install
+	$(PY) scripts/compare.py --np $(NP)
+
+# A few steps of every method on a small model, 2 ranks, localhost (no emulation).
+bench-smoke: install
+	OMP_NUM_THREADS=1 $(PY) -m hvd_acp.bench --model small --np $(NP) --steps 3 --warmup 2 \
+		--out bench-results/smoke

@@ -11,6 +11,7 @@ accumulated over the timed steps.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -48,6 +49,20 @@ def _parse(argv: List[str]) -> argparse.Namespace:
 def _progress(rank: int, done: int, total: int) -> None:
     if rank == 0:
         print(f"{PROGRESS_TAG} progress {done}/{total}", flush=True)
+
+
+#: Set by the driver on an emulated network: the rank's link interface.
+IFACE_ENV = "HVD_ACP_BENCH_IFACE"
+
+
+def link_tx_bytes(iface: str, proc_net_dev: str = "/proc/net/dev") -> int:
+    """Bytes sent so far on ``iface`` of this network namespace (frames, headers included)."""
+    with open(proc_net_dev, encoding="ascii") as stats:
+        for line in stats:
+            name, sep, fields = line.partition(":")
+            if sep and name.strip() == iface:
+                return int(fields.split()[8])
+    raise RuntimeError(f"interface {iface!r} not found in {proc_net_dev}")
 
 
 # --------------------------------------------------------------- DDP peer
@@ -114,8 +129,8 @@ class _PowerSGDHookProbe:
                 self.compression_seconds += spent
 
 
-class _SerializedHook:
-    """Runs a DDP comm hook for one bucket at a time.
+def serialized_hook(hook: Callable) -> Callable:
+    """``hook`` (a DDP comm hook) run for one bucket at a time.
 
     ``powerSGD_hook`` starts its second and third all-reduce (P, then Q)
     from future callbacks on Gloo's threads while backward goes on and hooks
@@ -126,16 +141,16 @@ class _SerializedHook:
     order identical on every rank; a bucket's communication still overlaps
     the backward of the layers before it.
     """
+    pending = []
 
-    def __init__(self, hook: Callable) -> None:
-        self.hook = hook
-        self.pending = None
-
-    def __call__(self, state, bucket):
-        if self.pending is not None:
-            self.pending.wait()
-        self.pending = self.hook(state, bucket)
-        return self.pending
+    @functools.wraps(hook)
+    def wrapper(state, bucket):
+        if pending:
+            pending.pop().wait()
+        future = hook(state, bucket)
+        pending.append(future)
+        return future
+    return wrapper
 
 
 def powersgd_ddp_bytes_per_step(model: torch.nn.Module, matrix_rank: int,
@@ -167,6 +182,7 @@ def _train(spec, optimizer, steps: int, warmup: int, rank: int,
     model, batch, loss_fn = spec.model, spec.batch, spec.loss_fn
     total = warmup + steps
     times: List[float] = []
+    phases: Dict[str, List[float]] = {"forward": [], "backward": [], "optimizer_step": []}
     loss = None
     for index in range(total):
         if index == warmup:
@@ -174,13 +190,19 @@ def _train(spec, optimizer, steps: int, warmup: int, rank: int,
         started = time.perf_counter()
         optimizer.zero_grad()
         loss = loss_fn(model, batch)
+        forward_done = time.perf_counter()
         loss.backward()
+        backward_done = time.perf_counter()
         optimizer.step()
-        elapsed = time.perf_counter() - started
+        finished = time.perf_counter()
         if index >= warmup:
-            times.append(elapsed)
+            times.append(finished - started)
+            phases["forward"].append(forward_done - started)
+            phases["backward"].append(backward_done - forward_done)
+            phases["optimizer_step"].append(finished - backward_done)
         _progress(rank, index + 1, total)
-    return {"step_s": times, "last_loss": float(loss.detach()) if loss is not None else None}
+    return {"step_s": times, "phase_s": phases,
+            "last_loss": float(loss.detach()) if loss is not None else None}
 
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
@@ -199,6 +221,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     else:
         rank, size = 0, 1
     result.update(rank=rank, size=size, threads=torch.get_num_threads())
+    # Lets the driver kill this rank if it hangs: horovodrun starts each rank
+    # in a session of its own, out of reach of a kill of horovodrun's group.
+    Path(args.result_dir, f"{method}.rank{rank}.pid").write_text(str(os.getpid()))
 
     spec = build_model(args.model, args.batch_size, image_size=args.image_size,
                        seq_len=args.seq_len, data_seed=rank)
@@ -223,7 +248,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                                    start_powerSGD_iter=max(2, args.warmup),
                                    min_compression_rate=2, use_error_feedback=True,
                                    warm_start=True, random_seed=0)
-        model.register_comm_hook(state, _SerializedHook(psgd.powerSGD_hook))
+        model.register_comm_hook(state, serialized_hook(psgd.powerSGD_hook))
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
         counters = {"bytes_sent": lambda: probe.bytes_sent,
                     "allreduces": lambda: probe.allreduces,
@@ -261,6 +286,11 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         counters = {"bytes_sent": lambda: 0, "allreduces": lambda: 0,
                     "compression_seconds": lambda: 0.0}
 
+    iface = os.environ.get(IFACE_ENV)
+    if iface:
+        # What really crossed this rank's emulated link: the check that the
+        # traffic went through the rate-limited interface at all.
+        counters["link_tx_bytes"] = lambda: link_tx_bytes(iface)
     start: Dict[str, float] = {}
 
     def on_timed_start() -> None:

@@ -1,0 +1,222 @@
+"""Pieces shared by the example scripts.
+
+- the optimizer swap: ``--optimizer {ssgd,powersgd,acp}`` and the one line
+  that wraps a torch optimizer for Horovod (:func:`distributed_optimizer`);
+- the bookkeeping every script reports: bytes each rank sent against what
+  S-SGD would have sent (:class:`ByteMeter`), metrics summed over ranks
+  (:func:`allreduce_sums`), the ``--summary`` JSON (:func:`write_summary`);
+- the digits data (scikit-learn's bundled 8x8 handwritten digits, no
+  download), its fixed train/test split and the small CNN trained on it.
+
+Imported as ``common`` by scripts run from this directory
+(``python examples/train.py`` puts ``examples/`` first on ``sys.path``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Dict, Iterable, Optional, Tuple
+
+import torch
+from torch import nn
+
+OPTIMIZERS = ("ssgd", "powersgd", "acp")
+
+
+# ----------------------------------------------------------------- arguments
+def add_common_args(parser: argparse.ArgumentParser, *, matrix_rank: int, epochs: int,
+                    lr: float, batch_size: int) -> None:
+    """The flags shared by the examples, with each script's own defaults."""
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="acp",
+                        help="ssgd: hvd.DistributedOptimizer (full gradients); "
+                             "powersgd: hvd_acp.PowerSGDOptimizer; "
+                             "acp: hvd_acp.DistributedOptimizer (default: %(default)s)")
+    parser.add_argument("--matrix-rank", type=int, default=matrix_rank,
+                        help="rank of the low-rank factors (default: %(default)s)")
+    parser.add_argument("--warmup-steps", type=int, default=0,
+                        help="steps of exact averaging before compression starts "
+                             "(default: %(default)s)")
+    parser.add_argument("--epochs", type=int, default=epochs,
+                        help="epochs to train (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=lr,
+                        help="learning rate of one rank; multiplied by the number of "
+                             "ranks as in Horovod's examples (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=batch_size,
+                        help="batch size per rank (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the model, the data order and the initial "
+                             "factors (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per rank (default: %(default)s)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar on rank 0")
+    parser.add_argument("--summary", metavar="PATH",
+                        help="rank 0 writes the results and the config to PATH as JSON")
+
+
+def optimizer_class(name: str):
+    """The distributed optimizer class behind ``--optimizer name``.
+
+    Resolved before ``hvd.init()`` so that a missing class stops every rank
+    at once with a clear message, never one rank inside a collective.
+    """
+    if name == "ssgd":
+        import horovod.torch as hvd
+        return hvd.DistributedOptimizer
+    import hvd_acp
+    if name == "acp":
+        return hvd_acp.DistributedOptimizer
+    if name == "powersgd":
+        cls = getattr(hvd_acp, "PowerSGDOptimizer", None)
+        if cls is None:
+            raise SystemExit(
+                f"--optimizer powersgd needs hvd_acp.PowerSGDOptimizer, which the installed "
+                f"hvd_acp ({os.path.dirname(hvd_acp.__file__)}, version "
+                f"{hvd_acp.__version__}) does not provide; update hvd_acp or use "
+                "--optimizer acp or ssgd")
+        return cls
+    raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {name!r}")
+
+
+def distributed_optimizer(name: str, optimizer: torch.optim.Optimizer,
+                          named_parameters: Iterable[Tuple[str, torch.Tensor]], *,
+                          matrix_rank: int, warmup_steps: int, seed: int):
+    """Wrap ``optimizer`` for Horovod: the one line a user changes.
+
+    ``ssgd`` is ``hvd.DistributedOptimizer(optimizer, named_parameters)``;
+    ``acp`` and ``powersgd`` take the same arguments plus their own.
+    """
+    cls = optimizer_class(name)
+    if name == "ssgd":
+        if warmup_steps:
+            raise SystemExit("--warmup-steps only applies to --optimizer acp or powersgd")
+        return cls(optimizer, named_parameters=named_parameters)
+    return cls(optimizer, named_parameters=named_parameters, matrix_rank=matrix_rank,
+               warmup_steps=warmup_steps, seed=seed)
+
+
+# ------------------------------------------------------------------- metrics
+def allreduce_sums(sums: Dict[str, float], name: str) -> Dict[str, float]:
+    """Sum each value over all ranks (one all-reduce, float64)."""
+    import horovod.torch as hvd
+    keys = sorted(sums)
+    local = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64)
+    total = hvd.allreduce(local, op=hvd.Sum, name=name)
+    return dict(zip(keys, total.tolist()))
+
+
+def gradient_bytes(model: nn.Module) -> int:
+    """Bytes of one full gradient of ``model``: what S-SGD sends per step."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+class ByteMeter:
+    """Bytes this rank put into gradient all-reduces, next to S-SGD's.
+
+    hvd_acp's optimizers count their own traffic (``comm_stats``);
+    ``hvd.DistributedOptimizer`` does not, so for S-SGD the count is one
+    full gradient per step, which is what it submits.
+    """
+
+    def __init__(self, optimizer, model: nn.Module):
+        self._stats = getattr(optimizer, "comm_stats", None)
+        self._start = self._stats.bytes_sent if self._stats is not None else 0
+        self.dense_bytes_per_step = gradient_bytes(model)
+
+    def sent(self, steps: int) -> int:
+        if self._stats is None:
+            return steps * self.dense_bytes_per_step
+        return self._stats.bytes_sent - self._start
+
+    def ssgd(self, steps: int) -> int:
+        return steps * self.dense_bytes_per_step
+
+    def report(self, steps: int) -> Dict[str, object]:
+        """Per-rank counts gathered from every rank (a collective: call on all ranks)."""
+        import horovod.torch as hvd
+        by_rank = [int(b) for b in hvd.allgather_object(self.sent(steps), name="bytes_sent")]
+        ssgd = self.ssgd(steps)
+        return {
+            "bytes_sent_per_rank": max(by_rank),
+            "bytes_sent_by_rank": by_rank,
+            "ssgd_bytes_per_rank": ssgd,
+            "compression_ratio": ssgd / max(by_rank) if max(by_rank) else None,
+        }
+
+
+def format_bytes_report(report: Dict[str, object], steps: int) -> str:
+    sent, ssgd = report["bytes_sent_per_rank"], report["ssgd_bytes_per_rank"]
+    ratio = report["compression_ratio"]
+    return (f"bytes sent per rank: {sent / 1e6:.3f} MB over {steps} steps "
+            f"(by rank: {', '.join(f'{b / 1e6:.3f}' for b in report['bytes_sent_by_rank'])}"
+            f" MB); S-SGD would send {ssgd / 1e6:.3f} MB: "
+            + (f"{ratio:.1f}x less" if ratio else "n/a"))
+
+
+def write_summary(path: Optional[str], summary: dict) -> None:
+    """Write ``summary`` as JSON to ``path`` (rank 0 calls this)."""
+    if not path:
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+# -------------------------------------------------------------------- digits
+DIGITS_TEST_FRACTION = 0.25
+DIGITS_SPLIT_SEED = 0
+
+
+def load_digits_split() -> Tuple[torch.utils.data.TensorDataset, torch.utils.data.TensorDataset]:
+    """scikit-learn's 1797 handwritten digits, split once and for all.
+
+    The split (75% train, 25% test, stratified) does not depend on the
+    training seed, so runs with different seeds are scored on the same test
+    set. Pixels are standardized with the training set's mean and std.
+
+    Returns:
+        (train, test) datasets of (image, label): image shape (1, 8, 8)
+        float32, label int64.
+    """
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1)
+    labels = torch.tensor(digits.target, dtype=torch.int64)
+    train_idx, test_idx = train_test_split(
+        torch.arange(len(labels)).numpy(), test_size=DIGITS_TEST_FRACTION,
+        random_state=DIGITS_SPLIT_SEED, stratify=labels.numpy())
+    train_idx, test_idx = torch.from_numpy(train_idx), torch.from_numpy(test_idx)
+    mean, std = images[train_idx].mean(), images[train_idx].std()
+    images = (images - mean) / std
+    return (torch.utils.data.TensorDataset(images[train_idx], labels[train_idx]),
+            torch.utils.data.TensorDataset(images[test_idx], labels[test_idx]))
+
+
+class DigitsCNN(nn.Module):
+    """Two 3x3 convolutions and two linear layers for 8x8 grey images.
+
+    Weights (out, in, kh, kw) of shapes (32, 1, 3, 3), (64, 32, 3, 3),
+    (128, 1024), (10, 128): at matrix rank 4 all but the first are sent as
+    low-rank factors; the first and the biases go uncompressed.
+    """
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+            nn.MaxPool2d(2))
+        self.classifier = nn.Sequential(
+            nn.Flatten(), nn.Linear(64 * 4 * 4, 128), nn.ReLU(),
+            nn.Linear(128, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: shape (batch, 1, 8, 8); returns logits of shape (batch, 10)."""
+        return self.classifier(self.features(x))

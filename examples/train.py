@@ -1,0 +1,154 @@
+"""Train a small CNN on scikit-learn's handwritten digits with Horovod.
+
+    horovodrun -np 2 -H localhost:2 --gloo python examples/train.py --optimizer acp
+
+A Horovod script as users write them; the only line that differs between
+S-SGD, Power-SGD and ACP-SGD is the optimizer swap::
+
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=...)      # S-SGD
+    optimizer = hvd_acp.DistributedOptimizer(optimizer, named_parameters=...,  # ACP-SGD
+                                             matrix_rank=4)
+
+Rank 0 prints the test accuracy and loss after every epoch and, at the end,
+the bytes each rank sent next to what S-SGD would have sent for the same
+steps; ``--summary PATH`` also writes them as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import horovod
+import horovod.torch as hvd
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+from tqdm import tqdm
+
+from common import (ByteMeter, DigitsCNN, add_common_args, allreduce_sums,
+                    distributed_optimizer, format_bytes_report, load_digits_split,
+                    optimizer_class, write_summary)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_common_args(parser, matrix_rank=4, epochs=12, lr=0.025, batch_size=32)
+    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    parser.add_argument("--weight-decay", type=float, default=1e-4, help="SGD weight decay")
+    return parser.parse_args(argv)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, dataset) -> dict:
+    """Test accuracy and mean loss over the whole test set.
+
+    Every rank scores its own share (every ``hvd.size()``-th sample); the
+    sums are added over ranks, so all ranks return the same numbers.
+    """
+    model.eval()
+    images, labels = dataset.tensors
+    images, labels = images[hvd.rank()::hvd.size()], labels[hvd.rank()::hvd.size()]
+    logits = model(images)
+    sums = allreduce_sums({
+        "loss": F.cross_entropy(logits, labels, reduction="sum").item(),
+        "correct": (logits.argmax(dim=1) == labels).sum().item(),
+        "count": len(labels)}, name="eval.test")
+    model.train()
+    return {"accuracy": sums["correct"] / sums["count"], "loss": sums["loss"] / sums["count"]}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    optimizer_class(args.optimizer)  # a missing optimizer stops every rank here
+
+    hvd.init()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    is_root = hvd.rank() == 0
+
+    train_set, test_set = load_digits_split()
+    # Each rank reads its own shard, reshuffled every epoch.
+    sampler = DistributedSampler(train_set, num_replicas=hvd.size(), rank=hvd.rank(),
+                                 shuffle=True, seed=args.seed)
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+
+    model = DigitsCNN()
+    lr = args.lr * hvd.size()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
+                                weight_decay=args.weight_decay)
+    optimizer = distributed_optimizer(args.optimizer, optimizer, model.named_parameters(),
+                                      matrix_rank=args.matrix_rank,
+                                      warmup_steps=args.warmup_steps, seed=args.seed)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    meter = ByteMeter(optimizer, model)
+
+    if is_root:
+        print(f"digits: {len(train_set)} train / {len(test_set)} test images, "
+              f"{hvd.size()} ranks, optimizer {args.optimizer}, "
+              f"matrix rank {args.matrix_rank}, lr {lr:g}", flush=True)
+
+    history = {"test_accuracy": [], "test_loss": [], "train_loss": [], "step": [],
+               "train_s": []}
+    steps, train_s = 0, 0.0
+    start = time.perf_counter()
+    for epoch in range(1, args.epochs + 1):
+        sampler.set_epoch(epoch)
+        epoch_start = time.perf_counter()
+        loss_sum = count = 0.0
+        bar = tqdm(loader, desc=f"epoch {epoch}/{args.epochs}", leave=False,
+                   disable=not is_root or args.no_progress)
+        for images, labels in bar:
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(images), labels)
+            loss.backward()
+            optimizer.step()
+            steps += 1
+            loss_sum += loss.item() * len(labels)
+            count += len(labels)
+        train_s += time.perf_counter() - epoch_start
+
+        train = allreduce_sums({"loss": loss_sum, "count": count}, name="eval.train")
+        test = evaluate(model, test_set)
+        history["test_accuracy"].append(test["accuracy"])
+        history["test_loss"].append(test["loss"])
+        history["train_loss"].append(train["loss"] / train["count"])
+        history["step"].append(steps)
+        history["train_s"].append(train_s)
+        if is_root:
+            print(f"epoch {epoch:3d}  step {steps:5d}  train loss "
+                  f"{history['train_loss'][-1]:.4f}  test loss {test['loss']:.4f}  "
+                  f"test accuracy {100 * test['accuracy']:.2f}%", flush=True)
+    wall_s = time.perf_counter() - start
+
+    report = meter.report(steps)
+    summary = {
+        "example": "digits",
+        "optimizer": args.optimizer,
+        "test_accuracy": history["test_accuracy"][-1],
+        "test_loss": history["test_loss"][-1],
+        "test_accuracy_per_epoch": history["test_accuracy"],
+        "loss_per_epoch": history["test_loss"],
+        "train_loss_per_epoch": history["train_loss"],
+        "step_per_epoch": history["step"],
+        "train_s_per_epoch": history["train_s"],
+        "steps": steps,
+        "wall_s": wall_s,
+        "train_s": train_s,
+        **report,
+        "config": {**vars(args), "world_size": hvd.size(), "effective_lr": lr,
+                   "train_size": len(train_set), "test_size": len(test_set),
+                   "torch": torch.__version__, "horovod": horovod.__version__},
+    }
+    if is_root:
+        print(format_bytes_report(report, steps), flush=True)
+        print(f"final test accuracy {100 * summary['test_accuracy']:.2f}%, "
+              f"wall time {wall_s:.1f} s", flush=True)
+        write_summary(args.summary, summary)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

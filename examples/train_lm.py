@@ -1,0 +1,281 @@
+"""Train a small byte-level transformer language model on Python's own source.
+
+    horovodrun -np 2 -H localhost:2 --gloo python examples/train_lm.py --optimizer acp
+
+The corpus is the standard library's ``*.py`` files
+(``sysconfig.get_paths()['stdlib']``, third-party ``site-packages`` left
+out), present wherever Python is. Files are split into train and validation
+by a hash of their path, so the split does not depend on the seed or on the
+order the file system lists them in. Tokens are bytes (vocabulary 256).
+
+The model is ``torch.nn.TransformerEncoder`` with a causal mask, learned
+positions and a linear head. The corpus (about 30 MB) holds far more text
+than a few CPU-minutes can read, so an "epoch" here is ``--steps-per-epoch``
+optimizer steps, after which rank 0 reports validation loss and perplexity;
+training windows are drawn without replacement over the whole run, so no
+window is read twice.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sysconfig
+import time
+import zlib
+from pathlib import Path
+from typing import List, Tuple
+
+import horovod
+import horovod.torch as hvd
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+from tqdm import tqdm
+
+from common import (ByteMeter, add_common_args, allreduce_sums, distributed_optimizer,
+                    format_bytes_report, optimizer_class, write_summary)
+
+VOCAB_SIZE = 256
+VALIDATION_BUCKET = 10   # one file in ten (by path hash) is validation
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_common_args(parser, matrix_rank=32, epochs=10, lr=4e-3, batch_size=16)
+    parser.add_argument("--steps-per-epoch", type=int, default=100,
+                        help="optimizer steps between two validations")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per training window")
+    parser.add_argument("--d-model", type=int, default=128, help="width of the transformer")
+    parser.add_argument("--layers", type=int, default=2, help="transformer layers")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads")
+    parser.add_argument("--lr-warmup-steps", type=int, default=30,
+                        help="steps of linear learning-rate warm-up before cosine decay")
+    parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    parser.add_argument("--val-windows", type=int, default=256,
+                        help="validation windows of --seq-len tokens, spread evenly over "
+                             "the validation files")
+    return parser.parse_args(argv)
+
+
+# -------------------------------------------------------------------- corpus
+def stdlib_sources() -> List[Path]:
+    """The standard library's ``*.py`` files, sorted; site-packages excluded."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for directory, subdirs, names in os.walk(root):
+        subdirs[:] = sorted(d for d in subdirs
+                            if d not in ("site-packages", "dist-packages", "__pycache__"))
+        files.extend(Path(directory, n) for n in names if n.endswith(".py"))
+    return sorted(files)
+
+
+def is_validation(path: Path, root: Path) -> bool:
+    """Deterministic split by file: a hash of the path relative to the stdlib."""
+    return zlib.crc32(path.relative_to(root).as_posix().encode()) % VALIDATION_BUCKET == 0
+
+
+def load_corpus() -> Tuple[torch.Tensor, torch.Tensor, dict]:
+    """(train bytes, validation bytes, description), each a uint8 tensor.
+
+    Files are joined with a blank line between them.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts = {True: [], False: []}
+    for path in stdlib_sources():
+        parts[is_validation(path, root)].append(path.read_bytes())
+    train, val = b"\n\n".join(parts[False]), b"\n\n".join(parts[True])
+    info = {"root": str(root), "train_files": len(parts[False]),
+            "val_files": len(parts[True]), "train_bytes": len(train), "val_bytes": len(val)}
+    return (torch.frombuffer(bytearray(train), dtype=torch.uint8),
+            torch.frombuffer(bytearray(val), dtype=torch.uint8), info)
+
+
+class Windows(Dataset):
+    """Non-overlapping windows of ``seq_len + 1`` bytes: (input, target) pairs."""
+
+    def __init__(self, data: torch.Tensor, seq_len: int):
+        self.data, self.seq_len = data, seq_len
+
+    def __len__(self) -> int:
+        return (len(self.data) - 1) // self.seq_len
+
+    def __getitem__(self, index: int):
+        chunk = self.data[index * self.seq_len:(index + 1) * self.seq_len + 1].long()
+        return chunk[:-1], chunk[1:]
+
+
+def validation_windows(data: torch.Tensor, seq_len: int, count: int) -> torch.Tensor:
+    """``count`` windows of ``seq_len + 1`` bytes spread evenly over ``data``.
+
+    Returns:
+        shape (count, seq_len + 1), int64.
+    """
+    stride = (len(data) - seq_len - 1) // max(count - 1, 1)
+    starts = torch.arange(count) * stride
+    return torch.stack([data[s:s + seq_len + 1] for s in starts.tolist()]).long()
+
+
+# --------------------------------------------------------------------- model
+class TransformerLM(nn.Module):
+    """Causal byte-level language model on ``nn.TransformerEncoder`` (pre-norm)."""
+
+    def __init__(self, seq_len: int, d_model: int, layers: int, heads: int):
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB_SIZE, d_model)
+        self.positions = nn.Embedding(seq_len, d_model)
+        layer = nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=0.0,
+                                           activation="gelu", batch_first=True,
+                                           norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, VOCAB_SIZE)
+        self.register_buffer("causal_mask",
+                             nn.Transformer.generate_square_subsequent_mask(seq_len),
+                             persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: shape (batch, t), t <= seq_len; returns logits (batch, t, 256)."""
+        t = tokens.shape[1]
+        x = self.tokens(tokens) + self.positions(torch.arange(t, device=tokens.device))
+        x = self.encoder(x, mask=self.causal_mask[:t, :t], is_causal=True)
+        return self.head(self.norm(x))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, windows: torch.Tensor) -> dict:
+    """Mean validation loss per byte (nats) and perplexity, over all ranks' shares."""
+    model.eval()
+    mine = windows[hvd.rank()::hvd.size()]
+    loss_sum = 0.0
+    for batch in mine.split(64):
+        logits = model(batch[:, :-1])
+        loss_sum += F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), batch[:, 1:].reshape(-1),
+                                    reduction="sum").item()
+    sums = allreduce_sums({"loss": loss_sum, "tokens": mine[:, 1:].numel()}, name="eval.val")
+    model.train()
+    loss = sums["loss"] / sums["tokens"]
+    return {"loss": loss, "ppl": math.exp(loss)}
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warm-up to 1, then cosine decay to 0.1 at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    optimizer_class(args.optimizer)  # a missing optimizer stops every rank here
+
+    hvd.init()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    is_root = hvd.rank() == 0
+
+    train_data, val_data, corpus = load_corpus()
+    train_set = Windows(train_data, args.seq_len)
+    val_windows = validation_windows(val_data, args.seq_len, args.val_windows)
+    # One shuffle for the whole run; each rank reads its own shard of it.
+    sampler = DistributedSampler(train_set, num_replicas=hvd.size(), rank=hvd.rank(),
+                                 shuffle=True, seed=args.seed)
+    batches = iter(DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
+                              drop_last=True))
+
+    model = TransformerLM(args.seq_len, args.d_model, args.layers, args.heads)
+    lr = args.lr * hvd.size()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=args.weight_decay)
+    optimizer = distributed_optimizer(args.optimizer, optimizer, model.named_parameters(),
+                                      matrix_rank=args.matrix_rank,
+                                      warmup_steps=args.warmup_steps, seed=args.seed)
+    total_steps = args.epochs * args.steps_per_epoch
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, args.lr_warmup_steps, total_steps))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    meter = ByteMeter(optimizer, model)
+
+    if is_root:
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"stdlib corpus: {corpus['train_files']} train files "
+              f"({corpus['train_bytes'] / 1e6:.1f} MB), {corpus['val_files']} validation "
+              f"files ({corpus['val_bytes'] / 1e6:.1f} MB); model {n_params / 1e6:.2f} M "
+              f"parameters; {hvd.size()} ranks, optimizer {args.optimizer}, matrix rank "
+              f"{args.matrix_rank}, lr {lr:g}", flush=True)
+
+    history = {"val_loss": [], "val_ppl": [], "train_loss": [], "step": [], "train_s": []}
+    initial = evaluate(model, val_windows)
+    if is_root:
+        print(f"step     0  val loss {initial['loss']:.4f}  val ppl {initial['ppl']:.2f}",
+              flush=True)
+    steps, train_s = 0, 0.0
+    start = time.perf_counter()
+    for epoch in range(1, args.epochs + 1):
+        epoch_start = time.perf_counter()
+        loss_sum = 0.0
+        bar = tqdm(range(args.steps_per_epoch), desc=f"epoch {epoch}/{args.epochs}",
+                   leave=False, disable=not is_root or args.no_progress)
+        for _ in bar:
+            inputs, targets = next(batches)
+            optimizer.zero_grad()
+            logits = model(inputs)
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.reshape(-1))
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            steps += 1
+            loss_sum += loss.item()
+            if not math.isfinite(loss.item()):
+                raise FloatingPointError(f"training loss is {loss.item()} at step {steps}")
+        train_s += time.perf_counter() - epoch_start
+
+        train = allreduce_sums({"loss": loss_sum, "steps": args.steps_per_epoch},
+                               name="eval.train")
+        val = evaluate(model, val_windows)
+        history["val_loss"].append(val["loss"])
+        history["val_ppl"].append(val["ppl"])
+        history["train_loss"].append(train["loss"] / train["steps"])
+        history["step"].append(steps)
+        history["train_s"].append(train_s)
+        if is_root:
+            print(f"step {steps:5d}  epoch {epoch:3d}  train loss "
+                  f"{history['train_loss'][-1]:.4f}  val loss {val['loss']:.4f}  "
+                  f"val ppl {val['ppl']:.2f}", flush=True)
+    wall_s = time.perf_counter() - start
+
+    report = meter.report(steps)
+    summary = {
+        "example": "stdlib_lm",
+        "optimizer": args.optimizer,
+        "val_loss": history["val_loss"][-1],
+        "val_ppl": history["val_ppl"][-1],
+        "initial_val_loss": initial["loss"],
+        "val_loss_per_epoch": history["val_loss"],
+        "val_ppl_per_epoch": history["val_ppl"],
+        "train_loss_per_epoch": history["train_loss"],
+        "step_per_epoch": history["step"],
+        "train_s_per_epoch": history["train_s"],
+        "steps": steps,
+        "wall_s": wall_s,
+        "train_s": train_s,
+        **report,
+        "corpus": corpus,
+        "config": {**vars(args), "world_size": hvd.size(), "effective_lr": lr,
+                   "parameters": sum(p.numel() for p in model.parameters()),
+                   "torch": torch.__version__, "horovod": horovod.__version__},
+    }
+    if is_root:
+        print(format_bytes_report(report, steps), flush=True)
+        print(f"final val loss {summary['val_loss']:.4f} (ppl {summary['val_ppl']:.2f}), "
+              f"wall time {wall_s:.1f} s", flush=True)
+        write_summary(args.summary, summary)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

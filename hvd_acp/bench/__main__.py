@@ -1,0 +1,108 @@
+"""``python -m hvd_acp.bench`` / ``hvd-acp-bench``: the command line."""
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+from .models import MODELS, default_matrix_rank
+from .stats import METHODS, parse_bandwidth, parse_methods
+
+DEFAULT_BATCH_SIZE = {"resnet50": 8, "bert-base": 4, "small": 32}
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hvd-acp-bench",
+        description="S-SGD vs Power-SGD vs ACP-SGD side by side in one run, optionally on "
+                    "an emulated cluster network (--bandwidth, needs root).")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help=f"comma-separated subset of {','.join(METHODS)} (default: all)")
+    parser.add_argument("--model", default="resnet50", choices=MODELS)
+    parser.add_argument("--np", type=_positive, default=2, help="ranks (default 2)")
+    parser.add_argument("--batch-size", type=_positive, default=None,
+                        help="per rank (default: resnet50 8, bert-base 4, small 32)")
+    parser.add_argument("--matrix-rank", type=_positive, default=None,
+                        help="factor rank (default: 4 for resnet50 and small, 32 for bert-base)")
+    parser.add_argument("--steps", type=_positive, default=10, help="timed steps (default 10)")
+    parser.add_argument("--warmup", type=_non_negative, default=3,
+                        help="untimed steps first (default 3)")
+    parser.add_argument("--bandwidth", default=None,
+                        help="per-node link rate, e.g. 200mbit or 1gbit (tc units); omitted: "
+                             "no emulation, plain localhost")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"),
+                        help="output directory (default bench-results)")
+    parser.add_argument("--image-size", type=_positive, default=128,
+                        help="resnet50 input height and width (default 128)")
+    parser.add_argument("--seq-len", type=_positive, default=64,
+                        help="bert-base tokens per sequence (default 64)")
+    parser.add_argument("--threads", type=_positive, default=1,
+                        help="torch threads per rank (default 1)")
+    parser.add_argument("--timeout", type=float, default=1800.0,
+                        help="seconds before a job is killed as hung (default 1800)")
+    parser.add_argument("--reruns", type=_non_negative, default=0,
+                        help="run a method again, up to this many times, while other "
+                             "processes use over 10%% of the machine during it (default 0)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        methods = parse_methods(args.methods)
+        bandwidth = parse_bandwidth(args.bandwidth)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if bandwidth is not None:
+        from .netem import NetworkSetupError, check_can_emulate
+        try:
+            check_can_emulate()
+        except NetworkSetupError as exc:
+            print(f"hvd-acp-bench: error: {exc}", file=sys.stderr)
+            return 2
+    from .driver import BenchConfig, Interrupted, run_benchmark
+    cfg = BenchConfig(
+        methods=methods, model=args.model, np=args.np,
+        batch_size=args.batch_size or DEFAULT_BATCH_SIZE[args.model],
+        matrix_rank=args.matrix_rank or default_matrix_rank(args.model),
+        steps=args.steps, warmup=args.warmup, bandwidth_mbit=bandwidth, out=args.out,
+        image_size=args.image_size, seq_len=args.seq_len, threads=args.threads,
+        timeout_s=args.timeout, progress=not args.no_progress, reruns=args.reruns,
+        command="hvd-acp-bench " + " ".join(shlex.quote(a) for a in argv))
+    try:
+        results = run_benchmark(cfg)
+    except (KeyboardInterrupt, Interrupted):
+        print("hvd-acp-bench: interrupted; jobs killed and emulated network removed",
+              file=sys.stderr)
+        return 130
+    print((cfg.out / "results.md").read_text())
+    failed = [m for m, e in results["methods"].items() if e.get("error")]
+    if failed or (results.get("compute_only") or {}).get("error"):
+        print(f"hvd-acp-bench: failed: {', '.join(failed) or 'compute_only'}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""results.json -> results.md (a table) and breakdown.png (stacked bars)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from .stats import METHODS
+
+__all__ = ["LABELS", "derive", "breakdown", "markdown", "plot_breakdown"]
+
+#: How each method is named in tables and plots.
+LABELS = {
+    "ssgd": "S-SGD (hvd.DistributedOptimizer)",
+    "powersgd": "Power-SGD (hvd_acp.PowerSGDOptimizer)",
+    "powersgd-ddp": "Power-SGD (torch DDP powerSGD_hook)",
+    "acp": "ACP-SGD (hvd_acp.DistributedOptimizer)",
+}
+_SHORT = {"ssgd": "S-SGD", "powersgd": "Power-SGD\n(hvd_acp)",
+          "powersgd-ddp": "Power-SGD\n(DDP hook)", "acp": "ACP-SGD"}
+
+
+def _ordered(methods: Dict[str, Any]) -> List[str]:
+    return [m for m in METHODS if m in methods] + [m for m in methods if m not in METHODS]
+
+
+def derive(results: Dict[str, Any]) -> None:
+    """Add ``speedup_vs_ssgd`` and ``ratio_to_floor`` to every measured method, in place."""
+    floor = (results.get("compute_only") or {}).get("step_s_median")
+    ssgd = (results["methods"].get("ssgd") or {}).get("step_s_median")
+    for entry in results["methods"].values():
+        step = entry.get("step_s_median")
+        if step is None:
+            continue
+        entry["speedup_vs_ssgd"] = ssgd / step if ssgd else None
+        entry["ratio_to_floor"] = step / floor if floor else None
+
+
+def breakdown(entry: Dict[str, Any], floor: float) -> Dict[str, float]:
+    """Split a method's median step into compute, compression and exposed communication.
+
+    compute is the floor (the same step with no communication); exposed
+    communication is what remains of the step, floored at zero.
+    """
+    compression = entry.get("compression_s_per_step") or 0.0
+    exposed = max(0.0, entry["step_s_median"] - floor - compression)
+    return {"compute": floor, "compression": compression, "exposed_comm": exposed}
+
+
+def _fmt(value: Optional[float], digits: int = 3, suffix: str = "") -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.{digits}f}{suffix}"
+
+
+def markdown(results: Dict[str, Any]) -> str:
+    """The results table with speedup over S-SGD and ratio to the floor."""
+    cfg = results["config"]
+    floor_entry = results.get("compute_only") or {}
+    floor = floor_entry.get("step_s_median")
+    link = (f"{cfg['bandwidth_mbit']:g} Mbit/s" if cfg.get("bandwidth_mbit") is not None
+            else "no emulation (localhost)")
+    lines = [
+        f"# {cfg['model']}: {cfg['np']} ranks, batch {cfg['batch_size']} per rank, "
+        f"matrix_rank {cfg['matrix_rank']}, link {link}",
+        "",
+        "| method | step median (s) | p10 (s) | p90 (s) | samples/s | speedup vs S-SGD "
+        "| x floor | MB sent/step/rank | all-reduces/step | compression s/step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for method in _ordered(results["methods"]):
+        entry = results["methods"][method]
+        label = LABELS.get(method, method)
+        if entry.get("error"):
+            lines.append(f"| {label} | failed: {entry['error']} |||||||||")
+            continue
+        mb = entry["bytes_sent_per_step"] / 1e6
+        lines.append(
+            f"| {label} | {_fmt(entry['step_s_median'])} | {_fmt(entry['step_s_p10'])} "
+            f"| {_fmt(entry['step_s_p90'])} | {_fmt(entry['samples_per_s'], 1)} "
+            f"| {_fmt(entry.get('speedup_vs_ssgd'), 2, 'x')} "
+            f"| {_fmt(entry.get('ratio_to_floor'), 2, 'x')} | {mb:.3f} "
+            f"| {entry['allreduces_per_step']:g} "
+            f"| {_fmt(entry.get('compression_s_per_step'), 4)} |")
+    if floor is not None:
+        lines.append(
+            f"| compute only (floor, 1 process, no communication) | {_fmt(floor)} "
+            f"| {_fmt(floor_entry.get('step_s_p10'))} | {_fmt(floor_entry.get('step_s_p90'))} "
+            f"| {_fmt(floor_entry.get('samples_per_s'), 1)} | | 1.00x | 0 | 0 | 0 |")
+    lines.append("")
+    lines += _phase_table(results)
+    ratio = cfg.get("compute_vs_communication") or {}
+    if ratio.get("ssgd_comm_s_at_line_rate") is not None and floor is not None:
+        lines.append(
+            f"Compute vs communication: the floor is {floor:.3f} s per step; S-SGD's "
+            f"{ratio['gradient_mb']:.1f} MB of gradients take "
+            f"{ratio['ssgd_comm_s_at_line_rate']:.3f} s per step at line rate (ring "
+            f"all-reduce, each rank sends 2(N-1)/N of them), "
+            f"{ratio['ssgd_comm_s_at_line_rate'] / floor:.2f}x the floor.")
+        lines.append("")
+    lines += [
+        f"Topology: {cfg['topology']}.",
+        "",
+        f"Steps: {cfg['warmup']} warm-up + {cfg['steps']} timed per method; a step's time "
+        "is the slowest rank's. Versions: "
+        + ", ".join(f"{k} {v}" for k, v in cfg["versions"].items()) + ".",
+        "",
+        f"Command: `{cfg.get('command', '')}`",
+        "",
+    ]
+    notes = results.get("notes") or []
+    lines += [f"- {note}" for note in notes]
+    return "\n".join(lines) + "\n"
+
+
+def _phase_table(results: Dict[str, Any]) -> List[str]:
+    """Where the time goes: medians of rank 0's phases, traffic, interference."""
+    rows = [("compute only", results.get("compute_only") or {})]
+    rows += [(LABELS.get(m, m), results["methods"][m]) for m in _ordered(results["methods"])]
+    rows = [(label, e) for label, e in rows if e.get("phase_s_median")]
+    if not rows:
+        return []
+    lines = ["| where the time goes (rank 0, medians) | forward (s) | backward (s) "
+             "| optimizer step (s) | link MB/step/rank | CPU share used outside the job |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for label, entry in rows:
+        phases = entry["phase_s_median"]
+        link = entry.get("link_tx_bytes_per_step")
+        share = entry.get("cpu_share_outside_job")
+        flag = " (disturbed?)" if share is not None and share > 0.10 else ""
+        lines.append(f"| {label} | {_fmt(phases.get('forward'))} | {_fmt(phases.get('backward'))} "
+                     f"| {_fmt(phases.get('optimizer_step'))} "
+                     f"| {'n/a' if link is None else f'{link / 1e6:.3f}'} "
+                     f"| {_fmt(share, 2)}{flag} |")
+    lines.append("")
+    return lines
+
+
+def plot_breakdown(results: Dict[str, Any], path: Path) -> None:
+    """Stacked bars per method: compute (floor), compression, exposed communication."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg = results["config"]
+    floor = (results.get("compute_only") or {}).get("step_s_median")
+    methods = [m for m in _ordered(results["methods"])
+               if results["methods"][m].get("step_s_median") is not None]
+    fig, ax = plt.subplots(figsize=(1.9 * (len(methods) + 1) + 1.5, 4.2))
+    names, parts, steps = [], [], []
+    if floor is not None:
+        names.append("compute only\n(floor)")
+        parts.append({"compute": floor, "compression": 0.0, "exposed_comm": 0.0})
+        steps.append(floor)
+    for method in methods:
+        entry = results["methods"][method]
+        names.append(_SHORT.get(method, method))
+        parts.append(breakdown(entry, floor or 0.0))
+        steps.append(entry["step_s_median"])
+    xs = range(len(names))
+    bottoms = [0.0] * len(names)
+    for key, label, color in (("compute", "compute (floor)", "#4c72b0"),
+                              ("compression", "compression", "#dd8452"),
+                              ("exposed_comm", "exposed communication", "#c44e52")):
+        values = [p[key] for p in parts]
+        ax.bar(xs, values, bottom=bottoms, label=label, color=color, width=0.6)
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    ax.scatter(xs, steps, marker="_", s=900, color="black", zorder=3, label="measured step")
+    for x, step in zip(xs, steps):
+        ax.annotate(f"{step:.3g} s", (x, max(step, bottoms[x])), textcoords="offset points",
+                    xytext=(0, 4), ha="center", fontsize=8)
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(names, fontsize=8)
+    ax.set_ylabel("seconds per step (median)")
+    link = (f"{cfg['bandwidth_mbit']:g} Mbit/s per node" if cfg.get("bandwidth_mbit")
+            is not None else "localhost, no emulation")
+    ax.set_title(f"{cfg['model']}, {cfg['np']} ranks, batch {cfg['batch_size']}/rank, "
+                 f"rank {cfg['matrix_rank']}, {link}", fontsize=9)
+    ax.set_ylim(0, max(max(steps), max(bottoms)) * 1.15)
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,479 @@
+"""Compare S-SGD, Power-SGD and ACP-SGD on the example tasks; write docs/convergence.md.
+
+    .venv/bin/python scripts/compare.py               # what `make compare` runs
+    .venv/bin/python scripts/compare.py --tasks lm-sweep   # the LM's settings sweep
+
+Every method runs the example scripts with the same seeds and the same
+hyper-parameters (the scripts' defaults) on ``--np`` ranks under
+``horovodrun --gloo``; only ``--optimizer`` and the flags shown change.
+Tasks:
+
+- ``digits``: the digits CNN (examples/train.py), once per seed in ``--seeds``;
+- ``lm``: the standard-library language model (examples/train_lm.py), once
+  per seed in ``--lm-seeds``, plus the ACP-SGD setting that closes the gap
+  to S-SGD;
+- ``lm-sweep`` (not run by default, about 20 minutes): the learning rates,
+  matrix ranks and warm-up lengths behind that setting.
+
+Runs are interleaved by seed (all methods for seed 0, then seed 1, ...) so
+that a change in the machine's load hits every method alike. Each run writes
+its ``--summary`` JSON and its log under ``--results``; the report (tables,
+the exact commands, pictures under docs/img/) is built from those files
+only. The section of a task that is not run keeps its earlier text, and
+anything after the ``end of generated part`` marker is kept as written.
+``--report-only`` rebuilds the sections of ``--tasks`` from earlier results.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+REPO = Path(__file__).resolve().parent.parent
+END_MARKER = "<!-- end of generated part -->"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run: a table row's method, its extra flags and a seed."""
+
+    label: str
+    optimizer: str
+    seed: int
+    args: Tuple[str, ...] = ()
+
+    @property
+    def key(self) -> str:
+        return re.sub(r"[^a-z0-9]+", "_", f"{self.label} seed {self.seed}".lower()).strip("_")
+
+    def flag(self, name: str) -> Optional[str]:
+        return self.args[self.args.index(name) + 1] if name in self.args else None
+
+
+@dataclass
+class Task:
+    name: str
+    script: str
+    title: str
+    runs: List[Run]
+
+
+METHODS = (("S-SGD", "ssgd", ()), ("Power-SGD", "powersgd", ()), ("ACP-SGD", "acp", ()))
+# The settings that bring ACP-SGD within 2% of S-SGD on the LM (see lm-sweep).
+LM_ACP_SETTINGS = (("ACP-SGD, rank 48", "acp", ("--matrix-rank", "48")),
+                   ("ACP-SGD, warm-up 300", "acp", ("--warmup-steps", "300")))
+
+
+LM_SWEEP_SEEDS = (1, 2)
+
+
+def lm_sweep_runs() -> List[Run]:
+    runs = []
+    for lr in ("1e-3", "2e-3", "8e-3"):
+        runs += [Run(f"S-SGD, lr {lr}", "ssgd", 0, ("--lr", lr)),
+                 Run(f"ACP-SGD, lr {lr}", "acp", 0, ("--lr", lr))]
+    runs += [Run(f"ACP-SGD, rank {r}", "acp", 0, ("--matrix-rank", r)) for r in ("16", "40")]
+    runs.append(Run("ACP-SGD, warm-up 100", "acp", 0, ("--warmup-steps", "100")))
+    # More seeds for the methods and the settings of the LM table: a seed
+    # changes the gaps by up to 2 points.
+    for seed in LM_SWEEP_SEEDS:
+        runs += [Run(label, opt, seed, extra)
+                 for label, opt, extra in (*METHODS, *LM_ACP_SETTINGS)]
+    return runs
+
+
+def make_tasks(args) -> List[Task]:
+    tasks = []
+    if "digits" in args.tasks:
+        tasks.append(Task("digits", "train.py",
+                          "Digits CNN (scikit-learn handwritten digits, 8x8)",
+                          [Run(label, opt, seed, extra) for seed in args.seeds
+                           for label, opt, extra in METHODS]))
+    if "lm" in args.tasks or "lm-sweep" in args.tasks:
+        main_runs = [Run(label, opt, seed, extra) for seed in args.lm_seeds
+                     for label, opt, extra in (*METHODS, *LM_ACP_SETTINGS)]
+        if "lm" in args.tasks:
+            tasks.append(Task("lm", "train_lm.py",
+                              "Byte-level transformer LM on the Python standard library",
+                              main_runs))
+        if "lm-sweep" in args.tasks:
+            tasks.append(Task("lm-sweep", "train_lm.py",
+                              "Closing the gap on the LM: learning rate, matrix rank, "
+                              "warm-up", lm_sweep_runs()))
+    return tasks
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--np", type=int, default=2, help="ranks (default: %(default)s)")
+    parser.add_argument("--tasks", nargs="+", choices=("digits", "lm", "lm-sweep"),
+                        default=["digits", "lm"], help="(default: %(default)s)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                        help="seeds of the digits runs (default: %(default)s)")
+    parser.add_argument("--lm-seeds", type=int, nargs="+", default=[0],
+                        help="seeds of the language-model runs (default: %(default)s)")
+    parser.add_argument("--results", type=Path, default=REPO / "results" / "compare",
+                        help="summaries and logs of every run (default: results/compare)")
+    parser.add_argument("--doc", type=Path, default=REPO / "docs" / "convergence.md")
+    parser.add_argument("--img", type=Path, default=REPO / "docs" / "img")
+    parser.add_argument("--timeout", type=float, default=1200,
+                        help="seconds before a run is killed (default: %(default)s)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="rebuild the report from the summaries already in --results")
+    return parser.parse_args(argv)
+
+
+# --------------------------------------------------------------------- runs
+def _rel(path: Path) -> str:
+    path = Path(path)
+    if not path.is_absolute():
+        return str(path)
+    try:
+        return str(path.relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+def command(task: Task, run: Run, np: int, summary: Path) -> List[str]:
+    launcher = Path(sys.executable).with_name("horovodrun")
+    return [_rel(launcher), "-np", str(np), "-H", f"localhost:{np}", "--gloo",
+            _rel(Path(sys.executable)), f"examples/{task.script}",
+            "--optimizer", run.optimizer, "--seed", str(run.seed), *run.args,
+            "--no-progress", "--summary", _rel(summary)]
+
+
+def shell_line(cmd: Sequence[str]) -> str:
+    return "OMP_NUM_THREADS=1 " + " ".join(shlex.quote(c) for c in cmd)
+
+
+def launch(cmd: Sequence[str], log: Path, timeout: float) -> int:
+    """Run ``cmd`` from the repository root in its own process group.
+
+    On timeout the whole group (horovodrun and every rank) is killed.
+    """
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    with open(log, "w", encoding="utf-8") as out:
+        proc = subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                env=env, start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            out.write(f"\n[compare] killed after {timeout:.0f} s\n")
+            return -signal.SIGKILL
+
+
+def has_powersgd() -> bool:
+    try:
+        import hvd_acp
+    except ImportError:
+        return False
+    return hasattr(hvd_acp, "PowerSGDOptimizer")
+
+
+def run_all(tasks: List[Task], args) -> None:
+    args.results.mkdir(parents=True, exist_ok=True)
+    for task in tasks:
+        for run in sorted(task.runs, key=lambda r: r.seed):
+            if run.optimizer == "powersgd" and not has_powersgd():
+                print(f"[compare] skipping {run.label}: hvd_acp.PowerSGDOptimizer does not "
+                      "exist in this version of hvd_acp", flush=True)
+                continue
+            summary = args.results / f"{task.script[:-3]}_{run.key}.json"
+            if summary.exists():
+                summary.unlink()
+            cmd = command(task, run, args.np, summary)
+            print(f"[compare] {shell_line(cmd)}", flush=True)
+            start = time.perf_counter()
+            log = summary.with_suffix(".log")
+            rc = launch(cmd, log, args.timeout)
+            status = "ok" if rc == 0 and summary.exists() else f"FAILED (exit {rc})"
+            print(f"[compare]   {status} in {time.perf_counter() - start:.0f} s; "
+                  f"log {_rel(log)}", flush=True)
+
+
+# ------------------------------------------------------------------- report
+def summary_path(task: Task, run: Run, results: Path) -> Path:
+    return results / f"{task.script[:-3]}_{run.key}.json"
+
+
+def load(task: Task, results: Path) -> Dict[Run, dict]:
+    found = {}
+    for run in task.runs:
+        path = summary_path(task, run, results)
+        if path.exists():
+            found[run] = json.loads(path.read_text(encoding="utf-8"))
+    return found
+
+
+def by_label(found: Dict[Run, dict]) -> Dict[str, List[Tuple[Run, dict]]]:
+    groups: Dict[str, List[Tuple[Run, dict]]] = {}
+    for run, summary in found.items():
+        groups.setdefault(run.label, []).append((run, summary))
+    return groups
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:,.1f}"
+
+
+def _rank(run: Run, summary: dict) -> str:
+    return "–" if run.optimizer == "ssgd" else str(summary["config"]["matrix_rank"])
+
+
+def _bytes_cells(summary: dict) -> str:
+    sent, ssgd = summary["bytes_sent_per_rank"], summary["ssgd_bytes_per_rank"]
+    return f"{_mb(sent)} | {ssgd / sent:.2f}x"
+
+
+def digits_section(task: Task, found, args) -> List[str]:
+    out = ["| method | matrix rank | final test accuracy (%), mean ± std (min – max) | "
+           "per seed | bytes sent per rank (MB) | less than S-SGD | steps | "
+           "wall time (s), mean |",
+           "|---|---|---|---|---|---|---|---|"]
+    means = {}
+    for label, rows in by_label(found).items():
+        acc = [100 * s["test_accuracy"] for _, s in rows]
+        mean = statistics.fmean(acc)
+        std = statistics.stdev(acc) if len(acc) > 1 else 0.0
+        means[label] = mean
+        run, first = rows[0]
+        out.append(f"| {label} | {_rank(run, first)} | {mean:.2f} ± {std:.2f} "
+                   f"({min(acc):.2f} – {max(acc):.2f}) | "
+                   f"{', '.join(f'{a:.2f}' for a in acc)} | {_bytes_cells(first)} | "
+                   f"{first['steps']} | {statistics.fmean(s['wall_s'] for _, s in rows):.1f} |")
+    out.append("")
+    seeds = sorted({r.seed for r in found})
+    if "S-SGD" in means and "ACP-SGD" in means:
+        gap = means["ACP-SGD"] - means["S-SGD"]
+        out.append(f"ACP-SGD minus S-SGD, mean final test accuracy over seeds {seeds}: "
+                   f"**{gap:+.2f} points** (target: no worse than -0.5): "
+                   f"{'met' if gap >= -0.5 else 'NOT met'}. The test set has "
+                   f"{next(iter(found.values()))['config']['test_size']} images: one image "
+                   f"is {100 / next(iter(found.values()))['config']['test_size']:.2f} points.\n")
+    picture = args.img / "convergence_digits.png"
+    plot(found, "test_accuracy_per_epoch", "test accuracy (%)", 100, picture, task.title)
+    out.append(f"![{task.title}]({os.path.relpath(picture, args.doc.parent)})\n")
+    return out
+
+
+def lm_reference(run: Run, found: Dict[Run, dict]) -> Optional[dict]:
+    """The S-SGD run with the same seed and learning rate as ``run``."""
+    for other, summary in found.items():
+        if (other.optimizer == "ssgd" and other.seed == run.seed
+                and other.flag("--lr") == run.flag("--lr")):
+            return summary
+    return None
+
+
+def lm_rows(found: Dict[Run, dict], with_seed: bool) -> List[str]:
+    out = []
+    for run, summary in found.items():
+        ref = lm_reference(run, found)
+        gap = f"{100 * (summary['val_loss'] / ref['val_loss'] - 1):+.2f}%" if ref else "–"
+        flags = " ".join(run.args) if run.args else "defaults"
+        seed = f"{run.seed} | " if with_seed else ""
+        out.append(f"| {run.label} | {seed}`{flags}` | {_rank(run, summary)} | "
+                   f"{summary['config']['effective_lr']:g} | {summary['val_loss']:.4f} | "
+                   f"{summary['val_ppl']:.3f} | {gap} | {_bytes_cells(summary)} | "
+                   f"{summary['steps']} | {summary['wall_s']:.0f} |")
+    return out
+
+
+LM_HEADER = ("| method | {seed}flags | matrix rank | lr × ranks | final val loss "
+             "(nats/byte) | val perplexity | vs S-SGD (same lr, seed) | bytes sent per rank "
+             "(MB) | less than S-SGD | steps | wall time (s) |")
+
+
+def lm_section(task: Task, found, args) -> List[str]:
+    out = [LM_HEADER.format(seed=""), "|---" * 11 + "|", *lm_rows(found, False), ""]
+    for run, summary in found.items():
+        ref = lm_reference(run, found)
+        if ref and run.optimizer == "acp":
+            rel = 100 * (summary["val_loss"] / ref["val_loss"] - 1)
+            out.append(f"- {run.label} (seed {run.seed}): final validation loss "
+                       f"**{rel:+.2f}%** relative to S-SGD (target: within 2%): "
+                       f"{'met' if rel <= 2 else 'NOT met'}.")
+    out.append("")
+    picture = args.img / "convergence_lm.png"
+    plot(found, "val_loss_per_epoch", "validation loss (nats per byte)", 1, picture,
+         task.title)
+    out.append(f"![{task.title}]({os.path.relpath(picture, args.doc.parent)})\n")
+    return out
+
+
+def _sweep_order(run: Run, summary: dict) -> tuple:
+    """Seed, then learning rates (S-SGD before ACP-SGD), ranks, warm-ups, Power-SGD."""
+    if run.optimizer == "powersgd":
+        return run.seed, 3, 0.0, ""
+    if run.flag("--matrix-rank"):
+        return run.seed, 1, float(run.flag("--matrix-rank")), ""
+    if run.flag("--warmup-steps"):
+        return run.seed, 2, float(run.flag("--warmup-steps")), ""
+    return run.seed, 0, summary["config"]["lr"], run.optimizer != "ssgd"
+
+
+def lm_sweep_section(task: Task, found, args) -> List[str]:
+    # The main LM runs (default flags, seed 0) are the sweep's reference points.
+    lm_task = next(t for t in make_tasks(argparse.Namespace(
+        tasks=["lm"], seeds=[], lm_seeds=[0])) if t.name == "lm")
+    everything = {**load(lm_task, args.results), **found}
+    ordered = dict(sorted(everything.items(), key=lambda kv: _sweep_order(*kv)))
+    out = [LM_HEADER.format(seed="seed | "), "|---" * 12 + "|", *lm_rows(ordered, True), ""]
+    extra = [r for r in everything if r not in found]
+    if extra:
+        out.append("The seed-0 rows of the methods and settings of the table above "
+                   "are its runs.\n")
+    out += seed_means(everything)
+    return out
+
+
+def seed_means(found: Dict[Run, dict]) -> List[str]:
+    """Mean over seeds of every setting run with more than one seed."""
+    groups = {label: rows for label, rows in by_label(found).items() if len(rows) > 1}
+    ssgd = {run.seed: s["val_loss"] for run, s in found.items()
+            if run.optimizer == "ssgd" and not run.args}
+    if not groups or not ssgd:
+        return []
+    out = ["Over seeds (relative gap to S-SGD of the same seed):\n",
+           "| method | seeds | mean final val loss | gap per seed | mean gap |",
+           "|---|---|---|---|---|"]
+    for label, rows in groups.items():
+        rows = sorted(rows, key=lambda rs: rs[0].seed)
+        gaps = [100 * (s["val_loss"] / ssgd[r.seed] - 1) for r, s in rows if r.seed in ssgd]
+        out.append(f"| {label} | {', '.join(str(r.seed) for r, _ in rows)} | "
+                   f"{statistics.fmean(s['val_loss'] for _, s in rows):.4f} | "
+                   f"{', '.join(f'{g:+.2f}%' for g in gaps)} | "
+                   f"{statistics.fmean(gaps):+.2f}% |")
+    out.append("")
+    return out
+
+
+SECTIONS: Dict[str, Callable] = {"digits": digits_section, "lm": lm_section,
+                                 "lm-sweep": lm_sweep_section}
+
+
+def plot(found: Dict[Run, dict], metric: str, ylabel: str, scale: float, path: Path,
+         title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    many = False
+    for label, rows in by_label(found).items():
+        summaries = [s for _, s in rows]
+        values = [[scale * v for v in s[metric]] for s in summaries]
+        steps = summaries[0]["step_per_epoch"]
+        mean = [statistics.fmean(col) for col in zip(*values)]
+        seconds = [statistics.fmean(col)
+                   for col in zip(*(s["train_s_per_epoch"] for s in summaries))]
+        many |= len(summaries) > 1
+        name = label + (f" ({len(summaries)} seeds)" if len(summaries) > 1 else "")
+        for ax, x in ((axes[0], steps), (axes[1], seconds)):
+            line, = ax.plot(x, mean, marker="o", markersize=3, label=name)
+            if len(summaries) > 1:
+                ax.fill_between(x, [min(c) for c in zip(*values)],
+                                [max(c) for c in zip(*values)],
+                                color=line.get_color(), alpha=0.15)
+    axes[0].set_xlabel("optimizer step")
+    axes[1].set_xlabel("training wall time (s), evaluation excluded")
+    axes[0].set_ylabel(ylabel)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(title + (" (line: mean over seeds, band: min – max)" if many else ""))
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def section_text(task: Task, args) -> Optional[str]:
+    import horovod
+    import torch
+
+    found = load(task, args.results)
+    if not found:
+        return None
+    lines = [f"## {task.title}\n",
+             f"Generated by `{_rel(Path(sys.argv[0]))} --tasks {task.name}` on "
+             f"{datetime.date.today().isoformat()}: {args.np} ranks under `horovodrun --gloo` "
+             f"on localhost, one thread each, {os.cpu_count()} CPU cores "
+             f"({platform.machine()}), Python {platform.python_version()}, torch "
+             f"{torch.__version__}, Horovod {horovod.__version__}.\n"]
+    lines += SECTIONS[task.name](task, found, args)
+    if any(r.optimizer == "powersgd" for r in task.runs) and not any(
+            r.optimizer == "powersgd" for r in found):
+        lines.append("No Power-SGD rows: " + (
+            "`hvd_acp.PowerSGDOptimizer` did not exist when these runs were made.\n"
+            if not has_powersgd() else "its runs failed; see their logs.\n"))
+    lines.append("<details><summary>Exact commands of these runs</summary>\n\n```sh")
+    for run in found:
+        lines.append(shell_line(command(task, run, args.np,
+                                        summary_path(task, run, args.results))))
+    lines.append("```\n</details>\n")
+    return "\n".join(lines)
+
+
+def _sections_of(text: str) -> Dict[str, str]:
+    return dict(re.findall(r"<!-- section: ([\w-]+) -->\n(.*?)<!-- end section: \1 -->",
+                           text, flags=re.S))
+
+
+INTRO = """# Convergence: S-SGD, Power-SGD and ACP-SGD on real data
+
+Each method runs the same example script with the same seeds and
+hyper-parameters; only `--optimizer` (and the flags shown) change. Bytes are
+what each rank handed to gradient all-reduces: counted by hvd_acp's
+`comm_stats` for Power-SGD and ACP-SGD, one full fp32 gradient per step for
+S-SGD (`hvd.DistributedOptimizer`). Wall times come from a 2-core machine
+shared with other jobs over loopback: they are noisy and say nothing about
+speed on a real network (the benchmarks measure that).
+
+Reproduce with `make compare` (digits and LM) and
+`.venv/bin/python scripts/compare.py --tasks lm-sweep` (the LM sweep).
+"""
+
+
+def write_report(tasks: List[Task], args) -> None:
+    old = args.doc.read_text(encoding="utf-8") if args.doc.exists() else ""
+    sections = _sections_of(old)
+    for task in tasks:
+        text = section_text(task, args)
+        if text is not None:
+            sections[task.name] = text
+    parts = [INTRO]
+    for name in SECTIONS:
+        if name in sections:
+            parts.append(f"<!-- section: {name} -->\n{sections[name]}"
+                         f"<!-- end section: {name} -->\n")
+    tail = old.split(END_MARKER, 1)[1] if END_MARKER in old else "\n"
+    args.doc.parent.mkdir(parents=True, exist_ok=True)
+    args.doc.write_text("\n".join(parts) + END_MARKER + tail, encoding="utf-8")
+    print(f"[compare] wrote {_rel(args.doc)}", flush=True)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    tasks = make_tasks(args)
+    if not args.report_only:
+        run_all(tasks, args)
+    write_report(tasks, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""The example scripts, run for real under ``horovodrun -np 2 --gloo``.
+
+A short convergence run of the digits CNN with ACP-SGD and a smoke run of
+the standard-library language model; each checks the ``--summary`` JSON.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.hvdrun import horovodrun
+
+pytestmark = pytest.mark.horovod
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+DIGITS_FIELDS = {"test_accuracy", "test_accuracy_per_epoch", "loss_per_epoch",
+                 "bytes_sent_per_rank", "ssgd_bytes_per_rank", "steps", "wall_s", "config"}
+LM_FIELDS = {"val_loss", "val_ppl", "val_loss_per_epoch", "val_ppl_per_epoch",
+             "bytes_sent_per_rank", "ssgd_bytes_per_rank", "steps", "wall_s", "config"}
+
+
+def _run_example(script: str, summary: Path, *args: str, timeout: float) -> dict:
+    horovodrun("run_example.py", script, "--no-progress", "--summary", str(summary), *args,
+               timeout=timeout)
+    return json.loads(summary.read_text())
+
+
+def _digits_gradient_bytes() -> int:
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from common import DigitsCNN, gradient_bytes
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    return gradient_bytes(DigitsCNN())
+
+
+def test_digits_acp_reaches_90_percent(tmp_path):
+    epochs = 5
+    summary = _run_example("train.py", tmp_path / "digits.json", "--optimizer", "acp",
+                           "--epochs", str(epochs), timeout=150)
+
+    assert DIGITS_FIELDS <= set(summary), DIGITS_FIELDS - set(summary)
+    assert summary["config"]["optimizer"] == "acp"
+    assert summary["config"]["world_size"] == 2
+    assert summary["config"]["matrix_rank"] == 4
+    assert len(summary["test_accuracy_per_epoch"]) == epochs
+    assert len(summary["loss_per_epoch"]) == epochs
+    assert summary["test_accuracy"] == summary["test_accuracy_per_epoch"][-1]
+    assert summary["test_accuracy"] > 0.90, summary["test_accuracy_per_epoch"]
+    assert summary["loss_per_epoch"][-1] < summary["loss_per_epoch"][0]
+    # 1347 training images, 674 per rank (padded), batches of 32: 22 steps an epoch.
+    assert summary["steps"] == epochs * 22
+    assert summary["ssgd_bytes_per_rank"] == summary["steps"] * _digits_gradient_bytes()
+    assert 0 < summary["bytes_sent_per_rank"] < summary["ssgd_bytes_per_rank"]
+    assert len(set(summary["bytes_sent_by_rank"])) == 1, summary["bytes_sent_by_rank"]
+    assert summary["wall_s"] > 0
+
+
+def test_lm_smoke_loss_finite_and_decreasing(tmp_path):
+    summary = _run_example(
+        "train_lm.py", tmp_path / "lm.json", "--optimizer", "acp", "--epochs", "3",
+        "--steps-per-epoch", "6", "--lr-warmup-steps", "2", "--d-model", "64",
+        "--layers", "1", "--seq-len", "32", "--val-windows", "32", "--matrix-rank", "8",
+        timeout=150)
+
+    assert LM_FIELDS <= set(summary), LM_FIELDS - set(summary)
+    losses = [summary["initial_val_loss"], *summary["val_loss_per_epoch"]]
+    assert all(math.isfinite(x) for x in losses + summary["train_loss_per_epoch"]), losses
+    assert all(later < earlier for earlier, later in zip(losses, losses[1:])), losses
+    assert summary["val_loss"] == losses[-1]
+    assert summary["val_ppl"] == pytest.approx(math.exp(summary["val_loss"]))
+    assert summary["steps"] == 18
+    assert 0 < summary["bytes_sent_per_rank"] < summary["ssgd_bytes_per_rank"]
