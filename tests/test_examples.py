@@ -5,9 +5,9 @@ the standard-library language model; each checks the ``--summary`` JSON.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,12 +31,11 @@ def _run_example(script: str, summary: Path, *args: str, timeout: float) -> dict
 
 
 def _digits_gradient_bytes() -> int:
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        from common import DigitsCNN, gradient_bytes
-    finally:
-        sys.path.remove(str(EXAMPLES))
-    return gradient_bytes(DigitsCNN())
+    """Bytes of one full gradient of the digits CNN, from examples/common.py."""
+    spec = importlib.util.spec_from_file_location("examples_common", EXAMPLES / "common.py")
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    return common.gradient_bytes(common.DigitsCNN())
 
 
 def test_digits_acp_reaches_90_percent(tmp_path):
