@@ -250,7 +250,8 @@ def test_emulated_run_crosses_the_link_and_cleans_up(tmp_path):
     before = set(subprocess.run(["ip", "netns", "list"], capture_output=True,
                                 text=True).stdout.split())
     methods = ["ssgd", "powersgd", "acp"]
-    _bench(tmp_path, "--methods", ",".join(methods), "--bandwidth", "1gbit", timeout=140)
+    _bench(tmp_path, "--methods", ",".join(methods), "--bandwidth", "1gbit", "--diagnostics",
+           timeout=140)
     results = _check_outputs(tmp_path, methods, 1000.0)
     assert "namespace" in results["config"]["topology"]
     for method in methods:

@@ -60,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reruns", type=_non_negative, default=0,
                         help="run a method again, up to this many times, while other "
                              "processes use over 10%% of the machine during it (default 0)")
+    parser.add_argument("--horovod-cycle-time-ms", type=float, default=None,
+                        help="HOROVOD_CYCLE_TIME of the Horovod jobs (default: Horovod's, 1 ms); "
+                             "like horovodrun --cycle-time-ms")
+    parser.add_argument("--diagnostics", action="store_true",
+                        help="also run the floor with all ranks computing at once, Horovod "
+                             "initialized but idle, and ACP-SGD without communication: where "
+                             "the time over the floor comes from")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -89,6 +96,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         steps=args.steps, warmup=args.warmup, bandwidth_mbit=bandwidth, out=args.out,
         image_size=args.image_size, seq_len=args.seq_len, threads=args.threads,
         timeout_s=args.timeout, progress=not args.no_progress, reruns=args.reruns,
+        diagnostics=args.diagnostics, horovod_cycle_time_ms=args.horovod_cycle_time_ms,
         command="hvd-acp-bench " + " ".join(shlex.quote(a) for a in argv))
     try:
         results = run_benchmark(cfg)

@@ -27,15 +27,20 @@ from .launch import (Command, JobError, kill_worker_pids, new_session_dying_with
 from .netem import EmulatedNetwork
 from .rendezvous import slot_env
 from .stats import combine_ranks, percentile, summarize_steps
-from .worker import HOROVOD_METHODS, IFACE_ENV
+from .worker import DIAGNOSTICS, HOROVOD_METHODS, IFACE_ENV
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["BenchConfig", "run_benchmark"]
 
 DDP_MASTER_PORT = 29577
+#: Jobs launched like Horovod jobs (horovodrun, or ranks with Gloo rendezvous).
+HVD_LAUNCHED = HOROVOD_METHODS + ("hvd-idle",)
+LOCAL_DIAGNOSTICS = ("compute-concurrent", "acp-local")
 #: Above this share of the machine used outside a job, its times are flagged.
 DISTURBED_SHARE = 0.10
+#: Before a re-run, wait at most this long for the machine to be idle.
+QUIET_WAIT_S = 300.0
 RENDEZVOUS_START_S = 60.0
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,6 +64,8 @@ class BenchConfig:
     timeout_s: float = 1800.0
     progress: bool = True
     reruns: int = 0
+    diagnostics: bool = False
+    horovod_cycle_time_ms: Optional[float] = None
     command: str = ""
 
 
@@ -143,6 +150,8 @@ class _Runner:
                    # A fused S-SGD all-reduce over a slow link can take longer
                    # than Horovod's default 30 s Gloo timeout.
                    HOROVOD_GLOO_TIMEOUT_SECONDS="600")
+        if self.cfg.horovod_cycle_time_ms is not None:
+            env["HOROVOD_CYCLE_TIME"] = f"{self.cfg.horovod_cycle_time_ms:g}"
         env.update(extra or {})
         return env
 
@@ -163,8 +172,12 @@ class _Runner:
         worker = [self.python] + self._worker_args(method)
         if method == "compute":
             return [Command(worker, self._env(), "compute")]
+        if method in LOCAL_DIAGNOSTICS:
+            # Independent processes at once, no collective library, no network.
+            return [Command(worker + ["--rank", str(rank)], self._env(), f"rank{rank}")
+                    for rank in range(c.np)]
         if net is None:
-            if method in HOROVOD_METHODS:
+            if method in HVD_LAUNCHED:
                 argv = [self._tool("horovodrun"), "-np", str(c.np), "-H",
                         f"localhost:{c.np}", "--gloo"] + worker
                 return [Command(argv, self._env(), "horovodrun")]
@@ -173,7 +186,7 @@ class _Runner:
             return [Command(argv, self._env(), "torchrun")]
         commands = []
         for rank in range(c.np):
-            if method in HOROVOD_METHODS:
+            if method in HVD_LAUNCHED:
                 # What horovodrun --gloo sets for each rank (gloo_run.py).
                 extra = dict(slot_env(rank, c.np),
                              HOROVOD_GLOO_RENDEZVOUS_ADDR=net.hub_address,
@@ -223,7 +236,7 @@ class _Runner:
         if log_path.exists():
             log_path.unlink()
         rendezvous = port = None
-        if self.net is not None and method in HOROVOD_METHODS:
+        if self.net is not None and method in HVD_LAUNCHED:
             rendezvous, port = self._start_rendezvous()
         last = [0]
 
@@ -280,6 +293,19 @@ def _summarize(cfg: BenchConfig, method: str, ranks: List[Dict[str, Any]]) -> Di
     return entry
 
 
+def _wait_for_quiet(max_s: float, window_s: float = 3.0) -> bool:
+    """Wait until the machine is idle for ``window_s`` (busy share below the
+    disturbance threshold), at most ``max_s``; returns whether it was."""
+    deadline = time.monotonic() + max_s
+    while time.monotonic() < deadline:
+        with _Interference() as idle:
+            time.sleep(window_s)
+        if idle.share <= DISTURBED_SHARE:
+            return True
+    logger.warning("the machine stayed busy for %.0f s; measuring anyway", max_s)
+    return False
+
+
 def _measure(cfg: BenchConfig, runner: _Runner, method: str) -> Dict[str, Any]:
     """Run ``method``, again (up to ``cfg.reruns`` times) while others disturb it.
 
@@ -287,6 +313,8 @@ def _measure(cfg: BenchConfig, runner: _Runner, method: str) -> Dict[str, Any]:
     """
     best: Optional[Dict[str, Any]] = None
     for attempt in range(1 + cfg.reruns):
+        if attempt:
+            _wait_for_quiet(QUIET_WAIT_S)
         try:
             with _Interference() as interference:
                 ranks = runner.run_method(method)
@@ -327,8 +355,8 @@ NOTES = [
     "cpu_share_outside_job: share of the machine's CPU time (all cores) used outside "
     "the job's processes while it ran: other users, and kernel work charged to no process "
     "(such as the emulated network's packet processing). Above 0.10 a method's times are "
-    "flagged as likely disturbed (and, with --reruns, measured again; the least disturbed "
-    "attempt is kept; `attempts` counts them).",
+    "flagged as likely disturbed (and, with --reruns, measured again once the machine has "
+    "been idle for 3 s; the least disturbed attempt is kept; `attempts` counts them).",
     "exposed communication in breakdown.png = step - floor - compression, floored at 0.",
 ]
 
@@ -343,11 +371,13 @@ def run_benchmark(cfg: BenchConfig) -> Dict[str, Any]:
     if cfg.progress:
         from tqdm import tqdm
         # A re-run (--reruns) adds its steps to the total as it starts.
-        bar = tqdm(total=(cfg.warmup + cfg.steps) * (len(cfg.methods) + 1), unit="step",
+        jobs = len(cfg.methods) + 1 + (len(DIAGNOSTICS) if cfg.diagnostics else 0)
+        bar = tqdm(total=(cfg.warmup + cfg.steps) * jobs, unit="step",
                    dynamic_ncols=True, file=sys.stderr)
     previous = {sig: signal.signal(sig, _raise_interrupted)
                 for sig in (signal.SIGTERM, signal.SIGHUP)}
     methods: Dict[str, Dict[str, Any]] = {}
+    diagnostics: Dict[str, Dict[str, Any]] = {}
     compute_only: Optional[Dict[str, Any]] = None
     topology = "localhost (loopback, no emulation): horovodrun -H localhost:N / torchrun --standalone"
     try:
@@ -355,10 +385,13 @@ def run_benchmark(cfg: BenchConfig) -> Dict[str, Any]:
             net.setup()
             topology = net.describe()
         runner = _Runner(cfg, net, bar)
-        for method in ["compute"] + cfg.methods:
+        extra = list(DIAGNOSTICS) if cfg.diagnostics else []
+        for method in ["compute"] + cfg.methods + extra:
             entry = _measure(cfg, runner, method)
             if method == "compute":
                 compute_only = dict(entry, processes=1)
+            elif method in DIAGNOSTICS:
+                diagnostics[method] = entry
             else:
                 methods[method] = entry
     finally:
@@ -386,6 +419,7 @@ def run_benchmark(cfg: BenchConfig) -> Dict[str, Any]:
             "warmup": cfg.warmup, "image_size": cfg.image_size if cfg.model == "resnet50"
             else None, "seq_len": cfg.seq_len if cfg.model == "bert-base" else None,
             "threads_per_rank": cfg.threads, "cpus": os.cpu_count(),
+            "horovod_cycle_time_ms": cfg.horovod_cycle_time_ms,
             "methods": cfg.methods, "command": cfg.command,
             "compute_vs_communication": ratio,
         },
@@ -393,6 +427,8 @@ def run_benchmark(cfg: BenchConfig) -> Dict[str, Any]:
         "compute_only": compute_only,
         "notes": NOTES,
     }
+    if cfg.diagnostics:
+        results["diagnostics"] = diagnostics
     report.derive(results)
     (cfg.out / "results.json").write_text(json.dumps(results, indent=2))
     (cfg.out / "results.md").write_text(report.markdown(results))

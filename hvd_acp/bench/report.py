@@ -88,6 +88,7 @@ def markdown(results: Dict[str, Any]) -> str:
             f"| {_fmt(floor_entry.get('samples_per_s'), 1)} | | 1.00x | 0 | 0 | 0 |")
     lines.append("")
     lines += _phase_table(results)
+    lines += _diagnostics_table(results)
     ratio = cfg.get("compute_vs_communication") or {}
     if ratio.get("ssgd_comm_s_at_line_rate") is not None and floor is not None:
         lines.append(
@@ -101,7 +102,11 @@ def markdown(results: Dict[str, Any]) -> str:
         f"Topology: {cfg['topology']}.",
         "",
         f"Steps: {cfg['warmup']} warm-up + {cfg['steps']} timed per method; a step's time "
-        "is the slowest rank's. Versions: "
+        f"is the slowest rank's; {cfg.get('threads_per_rank', 1)} thread(s) per rank on "
+        f"{cfg.get('cpus')} CPUs; Horovod cycle time "
+        + (f"{cfg['horovod_cycle_time_ms']:g} ms" if cfg.get("horovod_cycle_time_ms")
+           is not None else "Horovod's default (1 ms)")
+        + ". Versions: "
         + ", ".join(f"{k} {v}" for k, v in cfg["versions"].items()) + ".",
         "",
         f"Command: `{cfg.get('command', '')}`",
@@ -131,6 +136,36 @@ def _phase_table(results: Dict[str, Any]) -> List[str]:
                      f"| {_fmt(phases.get('optimizer_step'))} "
                      f"| {'n/a' if link is None else f'{link / 1e6:.3f}'} "
                      f"| {_fmt(share, 2)}{flag} |")
+    lines.append("")
+    return lines
+
+
+_DIAGNOSTIC_LABELS = {
+    "compute-concurrent": "floor with every rank computing at once (N processes, no "
+                          "communication)",
+    "hvd-idle": "same under Horovod: hvd.init(), plain local optimizer, nothing "
+                "all-reduced",
+    "acp-local": "ACP-SGD on a world of one (LocalCommunicator) in N processes at once: "
+                 "compression, no communication",
+}
+
+
+def _diagnostics_table(results: Dict[str, Any]) -> List[str]:
+    """Steps of the diagnostic runs, against the floor."""
+    diagnostics = results.get("diagnostics")
+    floor = (results.get("compute_only") or {}).get("step_s_median")
+    if not diagnostics or not floor:
+        return []
+    lines = ["| diagnostic | step median (s) | x floor | compression s/step "
+             "| CPU share used outside the job |", "|---|---:|---:|---:|---:|"]
+    for name, entry in diagnostics.items():
+        if entry.get("step_s_median") is None:
+            lines.append(f"| {_DIAGNOSTIC_LABELS.get(name, name)} | failed |||")
+            continue
+        lines.append(f"| {_DIAGNOSTIC_LABELS.get(name, name)} | {_fmt(entry['step_s_median'])} "
+                     f"| {entry['step_s_median'] / floor:.2f}x "
+                     f"| {_fmt(entry.get('compression_s_per_step'), 4)} "
+                     f"| {_fmt(entry.get('cpu_share_outside_job'), 2)} |")
     lines.append("")
     return lines
 

@@ -27,7 +27,11 @@ from .models import build_model
 PROGRESS_TAG = "@@hvd_acp.bench"
 
 HOROVOD_METHODS = ("ssgd", "powersgd", "acp")
-WORKER_METHODS = HOROVOD_METHODS + ("powersgd-ddp", "compute")
+#: Diagnostics (``--diagnostics``): where the time over the floor comes from.
+#: ``compute-concurrent`` and ``acp-local`` run as ``np`` independent processes
+#: at once (``--rank``), ``hvd-idle`` under Horovod like the methods.
+DIAGNOSTICS = ("compute-concurrent", "hvd-idle", "acp-local")
+WORKER_METHODS = HOROVOD_METHODS + ("powersgd-ddp", "compute") + DIAGNOSTICS
 
 
 def _parse(argv: List[str]) -> argparse.Namespace:
@@ -43,6 +47,8 @@ def _parse(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--result-dir", required=True)
+    parser.add_argument("--rank", type=int, default=0,
+                        help="rank of a process launched without a collective library")
     return parser.parse_args(argv)
 
 
@@ -210,7 +216,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     method = args.method
     result: Dict[str, Any] = {"method": method, "pid": os.getpid()}
 
-    if method in HOROVOD_METHODS:
+    if method in HOROVOD_METHODS + ("hvd-idle",):
         import horovod.torch as hvd
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
@@ -219,7 +225,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         dist.init_process_group("gloo")
         rank, size = dist.get_rank(), dist.get_world_size()
     else:
-        rank, size = 0, 1
+        rank, size = args.rank, 1
     result.update(rank=rank, size=size, threads=torch.get_num_threads())
     # Lets the driver kill this rank if it hangs: horovodrun starts each rank
     # in a session of its own, out of reach of a kill of horovodrun's group.
@@ -281,7 +287,19 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             counters = {"bytes_sent": lambda: optimizer.comm_stats.bytes_sent,
                         "allreduces": lambda: optimizer.comm_stats.allreduces,
                         "compression_seconds": lambda: optimizer.reducer.compression_seconds}
+    elif method == "acp-local":
+        # ACP-SGD's hooks and maths on a world of one: compression without
+        # communication.
+        import hvd_acp
+        base = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        optimizer = hvd_acp.DistributedOptimizer(base, model.named_parameters(),
+                                                 matrix_rank=args.matrix_rank,
+                                                 communicator=hvd_acp.LocalCommunicator())
+        counters = {"bytes_sent": lambda: 0, "allreduces": lambda: 0,
+                    "compression_seconds": lambda: optimizer.reducer.compression_seconds}
     else:
+        # compute, compute-concurrent, hvd-idle (Horovod initialized, its
+        # background thread running, but no gradient communicated).
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
         counters = {"bytes_sent": lambda: 0, "allreduces": lambda: 0,
                     "compression_seconds": lambda: 0.0}
@@ -311,7 +329,7 @@ def _shutdown(method: str) -> None:
         import torch.distributed as dist
         dist.barrier()
         dist.destroy_process_group()
-    elif method in HOROVOD_METHODS:
+    elif method in HOROVOD_METHODS + ("hvd-idle",):
         import horovod.torch as hvd
         hvd.shutdown()
 
