@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from .models import MODELS, default_matrix_rank
+from .netem import NetworkSetupError, check_can_emulate
 from .stats import METHODS, parse_bandwidth, parse_methods
 
 DEFAULT_BATCH_SIZE = {"resnet50": 8, "bert-base": 4, "small": 32}
@@ -82,7 +83,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     if bandwidth is not None:
-        from .netem import NetworkSetupError, check_can_emulate
         try:
             check_can_emulate()
         except NetworkSetupError as exc:
@@ -100,6 +100,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         command="hvd-acp-bench " + " ".join(shlex.quote(a) for a in argv))
     try:
         results = run_benchmark(cfg)
+    except NetworkSetupError as exc:
+        print(f"hvd-acp-bench: error: cannot build the emulated network: {exc}",
+              file=sys.stderr)
+        return 2
     except (KeyboardInterrupt, Interrupted):
         print("hvd-acp-bench: interrupted; jobs killed and emulated network removed",
               file=sys.stderr)

@@ -13,7 +13,6 @@ import logging
 import os
 import platform
 import select
-import shlex
 import signal
 import subprocess
 import sys
@@ -230,6 +229,7 @@ class _Runner:
 
     def run_method(self, method: str) -> List[Dict[str, Any]]:
         """Run one job; returns the per-rank result dicts."""
+        self.raw.mkdir(parents=True, exist_ok=True)
         for path in list(self.raw.glob(f"{method}.rank*")):
             path.unlink()
         log_path = self.logs / f"{method}.log"

@@ -170,8 +170,30 @@ def _diagnostics_table(results: Dict[str, Any]) -> List[str]:
     return lines
 
 
+def _bars(ax, names, parts, steps) -> None:
+    xs = list(range(len(names)))
+    bottoms = [0.0] * len(names)
+    for key, label, color in (("compute", "compute (floor)", "#4c72b0"),
+                              ("compression", "compression", "#dd8452"),
+                              ("exposed_comm", "exposed communication (step - floor - compression)", "#c44e52")):
+        values = [p[key] for p in parts]
+        ax.bar(xs, values, bottom=bottoms, label=label, color=color, width=0.6)
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    ax.scatter(xs, steps, marker="_", s=900, color="black", zorder=3, label="measured step")
+    for x, step in zip(xs, steps):
+        ax.annotate(f"{step:.3g} s", (x, max(step, bottoms[x])), textcoords="offset points",
+                    xytext=(0, 4), ha="center", fontsize=8)
+    ax.set_xticks(xs)
+    ax.set_xticklabels(names, fontsize=8)
+    ax.set_ylim(0, max(max(steps), max(bottoms)) * 1.15)
+
+
 def plot_breakdown(results: Dict[str, Any], path: Path) -> None:
-    """Stacked bars per method: compute (floor), compression, exposed communication."""
+    """Stacked bars per method: compute (floor), compression, exposed communication.
+
+    When a method is far slower than the others (S-SGD on a slow link), a
+    second panel zooms on the rest so their compression is visible.
+    """
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -180,38 +202,30 @@ def plot_breakdown(results: Dict[str, Any], path: Path) -> None:
     floor = (results.get("compute_only") or {}).get("step_s_median")
     methods = [m for m in _ordered(results["methods"])
                if results["methods"][m].get("step_s_median") is not None]
-    fig, ax = plt.subplots(figsize=(1.9 * (len(methods) + 1) + 1.5, 4.2))
-    names, parts, steps = [], [], []
+    rows = []
     if floor is not None:
-        names.append("compute only\n(floor)")
-        parts.append({"compute": floor, "compression": 0.0, "exposed_comm": 0.0})
-        steps.append(floor)
+        rows.append(("compute only\n(floor)",
+                     {"compute": floor, "compression": 0.0, "exposed_comm": 0.0}, floor))
     for method in methods:
         entry = results["methods"][method]
-        names.append(_SHORT.get(method, method))
-        parts.append(breakdown(entry, floor or 0.0))
-        steps.append(entry["step_s_median"])
-    xs = range(len(names))
-    bottoms = [0.0] * len(names)
-    for key, label, color in (("compute", "compute (floor)", "#4c72b0"),
-                              ("compression", "compression", "#dd8452"),
-                              ("exposed_comm", "exposed communication", "#c44e52")):
-        values = [p[key] for p in parts]
-        ax.bar(xs, values, bottom=bottoms, label=label, color=color, width=0.6)
-        bottoms = [b + v for b, v in zip(bottoms, values)]
-    ax.scatter(xs, steps, marker="_", s=900, color="black", zorder=3, label="measured step")
-    for x, step in zip(xs, steps):
-        ax.annotate(f"{step:.3g} s", (x, max(step, bottoms[x])), textcoords="offset points",
-                    xytext=(0, 4), ha="center", fontsize=8)
-    ax.set_xticks(list(xs))
-    ax.set_xticklabels(names, fontsize=8)
-    ax.set_ylabel("seconds per step (median)")
+        rows.append((_SHORT.get(method, method), breakdown(entry, floor or 0.0),
+                     entry["step_s_median"]))
+    zoom = [r for r in rows if floor is None or r[2] <= 3 * floor]
+    panels = [rows] + ([zoom] if 1 < len(zoom) < len(rows) else [])
+    fig, axes = plt.subplots(1, len(panels), squeeze=False,
+                             figsize=(1.7 * sum(len(p) for p in panels) + 2.5, 4.6),
+                             gridspec_kw={"width_ratios": [len(p) for p in panels]})
+    for ax, panel in zip(axes[0], panels):
+        _bars(ax, [r[0] for r in panel], [r[1] for r in panel], [r[2] for r in panel])
+    axes[0][0].set_ylabel("seconds per step (median)")
+    if len(panels) > 1:
+        axes[0][1].set_title("zoom: methods within 3x the floor", fontsize=8)
     link = (f"{cfg['bandwidth_mbit']:g} Mbit/s per node" if cfg.get("bandwidth_mbit")
             is not None else "localhost, no emulation")
-    ax.set_title(f"{cfg['model']}, {cfg['np']} ranks, batch {cfg['batch_size']}/rank, "
+    fig.suptitle(f"{cfg['model']}, {cfg['np']} ranks, batch {cfg['batch_size']}/rank, "
                  f"rank {cfg['matrix_rank']}, {link}", fontsize=9)
-    ax.set_ylim(0, max(max(steps), max(bottoms)) * 1.15)
-    ax.legend(fontsize=7, loc="upper right")
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)

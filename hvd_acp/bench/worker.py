@@ -317,10 +317,24 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     if args.steps == 0:
         on_timed_start()
     result.update(_train(spec, optimizer, args.steps, args.warmup, rank, on_timed_start))
+    if iface:
+        # A rank's last chunk may still wait in its rate-limited queue when
+        # its own step ends; once every rank has passed a barrier, every peer
+        # has received it, so it has left through the interface.
+        _barrier(method)
     for key, get in counters.items():
         result[key] = get() - start[key]
     result["steps"] = args.steps
     return result
+
+
+def _barrier(method: str) -> None:
+    if method == "powersgd-ddp":
+        import torch.distributed as dist
+        dist.barrier()
+    elif method in HOROVOD_METHODS + ("hvd-idle",):
+        import horovod.torch as hvd
+        hvd.barrier()
 
 
 def _shutdown(method: str) -> None:
@@ -342,6 +356,7 @@ def main(argv: List[str] = None) -> int:
     tmp.write_text(json.dumps(result, indent=1))
     tmp.replace(out)
     _shutdown(args.method)
+    out.with_suffix(".pid").unlink(missing_ok=True)
     return 0
 
 
