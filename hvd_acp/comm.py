@@ -49,6 +49,10 @@ class Communicator:
     def rank(self) -> int:
         raise NotImplementedError
 
+    def reduction_weight(self) -> float:
+        """``w`` such that an all-reduce leaves ``w * sum over ranks`` (1/size to average)."""
+        raise NotImplementedError
+
     def allreduce_async_(self, tensor: Tensor, name: str) -> Any:
         """Start reducing ``tensor`` in place across ranks; returns a handle."""
         raise NotImplementedError
@@ -88,6 +92,9 @@ class LocalCommunicator(Communicator):
 
     def rank(self) -> int:
         return 0
+
+    def reduction_weight(self) -> float:
+        return self.scale
 
     def allreduce_async_(self, tensor: Tensor, name: str) -> Any:
         self._count(tensor)
@@ -146,6 +153,10 @@ class HorovodCommunicator(Communicator):
 
     def rank(self) -> int:
         return self.process_set.rank()
+
+    def reduction_weight(self) -> float:
+        # The predivide factor's pre- and postscale cancel out.
+        return 1.0 / self.size() if self.op == self._hvd.Average else 1.0
 
     def allreduce_async_(self, tensor: Tensor, name: str) -> Any:
         sent, ctx = self.compression.compress(tensor)

@@ -18,10 +18,9 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-import torch
 from torch import Tensor
 
-from .compression import Phase, orthonormalize_, reconstruct_
+from .compression import Phase, compress_, feedback_, orthonormalize_, project_, reconstruct_
 from .optimizer import DistributedOptimizer
 from .reducer import ACPReducer, _Round
 
@@ -46,10 +45,8 @@ class PowerSGDReducer(ACPReducer):
         self._bases_phase = self.phase
 
     def _compress(self, phase: Phase, name: str, matrix: Optional[Tensor], out: Tensor) -> None:
-        error = self.errors[name]
-        if matrix is not None:
-            error.add_(matrix)                  # error now holds A = M + E
-        torch.matmul(error, self.q_factors[name], out=out)
+        # error now holds A = M + E; P_i = A Q.
+        compress_(matrix, self.errors[name], self.q_factors[name], out)
 
     def _complete(self, rnd: _Round) -> None:
         if rnd.phase is Phase.DENSE:
@@ -72,8 +69,8 @@ class PowerSGDReducer(ACPReducer):
         buckets, buffers = self._plan(Phase.Q, tuple(compressed))
         second = _Round(Phase.Q, buckets, buffers)
         for name in compressed:
-            out = self._slot_view(second, name)
-            out.copy_(self.errors[name].t() @ self.p_factors[name])
+            project_(self.errors[name].t(), self.p_factors[name],
+                     self._slot_view(second, name))           # Q_i = A^T Ph
         handles = [self.comm.allreduce_async_(buf, b.name) for b, buf in zip(buckets, buffers)]
         waited = time.perf_counter()
         for handle in handles:
@@ -82,6 +79,7 @@ class PowerSGDReducer(ACPReducer):
         self.compression_seconds -= time.perf_counter() - waited
         nonfinite |= self._nonfinite_slots(second)
         self._count_nonfinite(nonfinite)
+        share = self._share()
         for name in compressed:
             lay, param = self.layouts[name], self.params[name]
             q = self._slot_view(second, name)
@@ -90,7 +88,7 @@ class PowerSGDReducer(ACPReducer):
             matrix, direct = self._grad_target(lay, param)
             reconstruct_(matrix, self.p_factors[name], q)     # G = Ph Q^T
             if name not in nonfinite:
-                self.errors[name].sub_(matrix)                # E = A - G
+                feedback_(self.errors[name], matrix, share)   # E = A - G
             if not direct:
                 param.grad.copy_(matrix.view(param.grad.shape))
 

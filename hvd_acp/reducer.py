@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .comm import Communicator
-from .compression import (Phase, compress_, compute_dtype, init_factor,
+from .compression import (Phase, compress_, compute_dtype, feedback_, init_factor,
                           orthonormalize_, reconstruct_)
 from .fusion import Bucket, TensorLayout, make_layouts, plan_buckets
 
@@ -287,6 +287,7 @@ class ACPReducer:
             matrix: shape (n, m), the gradient, or None for a zero gradient.
             out: shape (n, r) for P, (m, r) for Q; a view into a fused buffer.
         """
+        # The residual holds A = M + E until _write_grad subtracts G.
         error, basis = self.errors[name], self._bases[name]
         if phase is Phase.P:
             compress_(matrix, error, basis, out)
@@ -370,7 +371,8 @@ class ACPReducer:
         """Write the averaged gradient of ``name`` into ``p.grad``.
 
         With ``commit`` the averaged factor becomes the state reused by the
-        next step; without (a non-finite round) the state is left alone.
+        next step and the residual becomes ``A - G``; without (a non-finite
+        round, whose residuals were reset) the state is left alone.
         """
         lay, param = self.layouts[name], self.params[name]
         averaged = self._slot_view(rnd, name)
@@ -380,15 +382,23 @@ class ACPReducer:
                 factor = self.p_factors[name] if rnd.phase is Phase.P else self.q_factors[name]
                 factor.copy_(averaged)
             matrix, direct = self._grad_target(lay, param)
-            # P step: G = P Qh^T; Q step: G^T = Q Ph^T.
-            reconstruct_(matrix if rnd.phase is Phase.P else matrix.t(), factor,
-                         self._bases[name])
+            basis = self._bases[name]
+            if rnd.phase is Phase.P:
+                reconstruct_(matrix, factor, basis)         # G = P Qh^T
+            else:
+                reconstruct_(matrix, basis, factor)         # G = Ph Q^T
+            if commit:
+                feedback_(self.errors[name], matrix, self._share())   # E = A - G
             if not direct:
                 param.grad.copy_(matrix.view(param.grad.shape))
         else:
             if param.grad is None:
                 param.grad = torch.empty_like(param, memory_format=torch.contiguous_format)
             param.grad.copy_(averaged.view(param.grad.shape))
+
+    def _share(self) -> float:
+        """This rank's part of an all-reduced result (1 when it is the average)."""
+        return 1.0 / (self.comm.size() * self.comm.reduction_weight())
 
     def discard_round(self) -> None:
         """Forget the round in progress: counted passes, filled slots, handles.

@@ -3,8 +3,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from hvd_acp.compression import (Phase, compress_, compute_dtype, factor_rank, init_factor,
-                                 matrix_shape, orthonormalize_, reconstruct_, should_compress)
+from hvd_acp.compression import (Phase, compress_, compute_dtype, factor_rank, feedback_,
+                                 init_factor, matrix_shape, orthonormalize_, project_,
+                                 reconstruct_, should_compress)
 
 F64 = torch.float64
 
@@ -37,6 +38,7 @@ def _acp_steps(grads_per_step, n, m, r, check):
     for step, grads in enumerate(grads_per_step):
         phase = Phase.P if step % 2 == 0 else Phase.Q
         before = [e.clone() for e in errors]
+        applied = torch.full((n, m), float("nan"), dtype=F64)
         if phase is Phase.P:
             basis = _orthonormalized(q_factor)
             local = [torch.empty(n, r, dtype=F64) for _ in range(world)]
@@ -44,7 +46,6 @@ def _acp_steps(grads_per_step, n, m, r, check):
                 compress_(g, e, basis, out)
             p_factor = torch.stack(local).mean(0)
             recon = [out @ basis.t() for out in local]
-            applied = torch.empty(n, m, dtype=F64)
             reconstruct_(applied, p_factor, basis)
         else:
             basis = _orthonormalized(p_factor)
@@ -53,9 +54,9 @@ def _acp_steps(grads_per_step, n, m, r, check):
                 compress_(g.t(), e.t(), basis, out)
             q_factor = torch.stack(local).mean(0)
             recon = [basis @ out.t() for out in local]
-            applied = torch.empty(n, m, dtype=F64)
-            # The reducer writes G^T = Q Ph^T through a transposed view.
-            reconstruct_(applied.t(), q_factor, basis)
+            reconstruct_(applied, basis, q_factor)
+        for e in errors:
+            feedback_(e, applied)
         check(phase, grads, before, errors, recon, applied, basis)
 
 
@@ -66,9 +67,10 @@ def test_error_feedback_identity_holds_for_every_rank_and_step():
 
     def check(phase, grads, before, after, recon, applied, basis):
         phases.append(phase)
-        for g, e_before, e_after, local in zip(grads, before, after, recon):
-            # P step: M + E_before == P_i Qh^T + E_after; Q step: ... == Ph Q_i^T + E_after.
-            assert_close(g + e_before, local + e_after)
+        for g, e_before, e_after in zip(grads, before, after):
+            # M_i + E_i(before) == G + E_i(after), G the gradient every rank applies.
+            assert_close(g + e_before, applied + e_after)
+        # G is the average of the ranks' own reconstructions P_i Qh^T (Ph Q_i^T).
         assert_close(applied, torch.stack(recon).mean(0))
         # Low rank r < min(n, m): the residual cannot be zero.
         assert all(e.abs().max() > 1e-6 for e in after)
@@ -77,15 +79,68 @@ def test_error_feedback_identity_holds_for_every_rank_and_step():
     assert phases == [Phase.P, Phase.Q] * 3
 
 
-def test_error_feedback_with_missing_gradient_keeps_the_residual_flowing():
+def test_residual_against_the_average_follows_the_local_residual_trajectory():
+    """The residual of the paper (E_i = A_i - P_i Qh^T, each rank's own
+    factor) and ours (E_i = A_i - G) differ per rank, but their sums agree,
+    so every averaged factor and applied gradient is the same."""
+    n, m, r, world, steps = 6, 5, 2, 3, 8
+    grads = [[_randn(n, m, seed=100 * t + i) for i in range(world)] for t in range(steps)]
+    p_factor, q_factor = _randn(n, r, seed=100), _randn(m, r, seed=101)
+    errors = [torch.zeros(n, m, dtype=F64) for _ in range(world)]
+    expected = []
+    for step, step_grads in enumerate(grads):
+        a = [g + e for g, e in zip(step_grads, errors)]
+        if step % 2 == 0:
+            basis = _orthonormalized(q_factor)
+            local = [x @ basis for x in a]
+            p_factor = torch.stack(local).mean(0)
+            errors = [x - f @ basis.t() for x, f in zip(a, local)]
+            expected.append(p_factor @ basis.t())
+        else:
+            basis = _orthonormalized(p_factor)
+            local = [x.t() @ basis for x in a]
+            q_factor = torch.stack(local).mean(0)
+            errors = [x - basis @ f.t() for x, f in zip(a, local)]
+            expected.append(basis @ q_factor.t())
+    seen = []
+    _acp_steps(grads, n, m, r, lambda *args: seen.append((args[5].clone(), args[3])))
+    for step, ((applied, ours), paper) in enumerate(zip(seen, expected)):
+        assert_close(applied, paper, atol=1e-10, rtol=1e-10)
+    # The residuals themselves differ rank by rank; only their sum is shared.
+    assert_close(torch.stack(ours).sum(0), torch.stack(errors).sum(0), atol=1e-10, rtol=1e-10)
+    assert (ours[0] - errors[0]).abs().max() > 1e-3
+
+
+def test_compress_keeps_the_accumulated_gradient_until_feedback():
     n, m, r = 6, 4, 2
     error = _randn(n, m, seed=1)
+    grad = _randn(n, m, seed=3)
     before = error.clone()
     basis = _orthonormalized(_randn(m, r, seed=2))
     out = torch.empty(n, r, dtype=F64)
+    compress_(grad, error, basis, out)
+    assert_close(error, before + grad)
+    assert_close(out, (before + grad) @ basis)
+    # A missing gradient is a zero one: the residual still flows into the factor.
+    error = before.clone()
     compress_(None, error, basis, out)
+    assert_close(error, before)
     assert_close(out, before @ basis)
-    assert_close(before, out @ basis.t() + error)
+    applied = out @ basis.t()
+    feedback_(error, applied)
+    assert_close(error, before - applied)
+
+
+def test_project_matches_the_plain_product_for_both_layouts():
+    matrix, basis = _randn(9, 7, seed=4), _orthonormalized(_randn(7, 3, seed=5))
+    out = torch.full((9, 3), float("nan"), dtype=F64)
+    project_(matrix, basis, out)
+    assert_close(out, matrix @ basis, atol=1e-12, rtol=0)
+    # Q step: a transposed view of the residual.
+    basis_t = _orthonormalized(_randn(9, 3, seed=6))
+    out_t = torch.empty(7, 3, dtype=F64)
+    project_(matrix.t(), basis_t, out_t)
+    assert_close(out_t, matrix.t() @ basis_t, atol=1e-12, rtol=0)
 
 
 def test_square_full_rank_is_exact_in_both_phases():
@@ -95,8 +150,10 @@ def test_square_full_rank_is_exact_in_both_phases():
 
     def check(phase, grads, before, after, recon, applied, basis):
         seen.append(phase)
-        for e in after:
-            assert_close(e, torch.zeros_like(e), atol=1e-12, rtol=0)
+        # Nothing is lost: the residuals cancel over ranks (each rank keeps
+        # its deviation from the average, which never reaches G).
+        total = torch.stack(after).sum(0)
+        assert_close(total, torch.zeros_like(total), atol=1e-12, rtol=0)
         assert_close(applied, torch.stack(grads).mean(0), atol=1e-12, rtol=1e-12)
 
     _acp_steps(grads, n, n, n, check)

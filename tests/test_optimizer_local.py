@@ -169,24 +169,30 @@ def test_update_of_a_compressed_matrix_has_rank_at_most_r():
         assert 1 <= torch.linalg.matrix_rank(delta).item() <= 2
 
 
-def test_error_feedback_identity_through_the_optimizer():
+@pytest.mark.parametrize("cls", [hvd_acp.DistributedOptimizer, hvd_acp.PowerSGDOptimizer])
+@pytest.mark.parametrize("scale", [1.0, 3.0])
+def test_error_feedback_identity_through_the_optimizer(cls, scale):
+    """M + E(before) == G / (N w) + E(after) when the all-reduce leaves
+    w * (sum over N ranks): nothing of the gradient is lost or counted twice,
+    whether the reduction averages (w = 1/N) or sums (w = 1, op=hvd.Sum)."""
     model = _conv_net(F64)
-    opt, _ = _wrap(model, fusion_threshold_bytes=0)
+    opt = cls(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+              matrix_rank=2, fusion_threshold_bytes=0,
+              communicator=hvd_acp.LocalCommunicator(scale))
     errors = opt.reducer.errors
     assert set(errors) == ConvNet.COMPRESSED
     for step in range(4):
-        # The hooks update the residual during backward.
         before = {n: e.clone() for n, e in errors.items()}
         opt.zero_grad()
         _backward(model, _conv_input(step, F64))
         local = {n: p.grad.clone() for n, p in model.named_parameters()}
+        # The hooks add the gradient to the residual; step() subtracts G.
         opt.step()
         params = dict(model.named_parameters())
         for name in ConvNet.COMPRESSED:
             shape = errors[name].shape
-            # World size 1: the applied G is this rank's P_i Qh^T (or Ph Q_i^T).
             assert_close(local[name].reshape(shape) + before[name],
-                         params[name].grad.reshape(shape) + errors[name])
+                         params[name].grad.reshape(shape) / scale + errors[name])
             assert errors[name].abs().max() > 0
 
 

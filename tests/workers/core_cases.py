@@ -85,23 +85,19 @@ class AcpSimulation:
                 continue
             basis = (self.q if phase is Phase.P else self.p)[name].clone()
             orthonormalize_([basis])
-            factors = []
-            for rank, grads in enumerate(grads_per_rank):
-                a = grads[name].reshape(lay.n, lay.m) + self.errors[rank][name]
-                if phase is Phase.P:
-                    factor = a @ basis
-                    self.errors[rank][name] = a - factor @ basis.t()
-                else:
-                    factor = a.t() @ basis
-                    self.errors[rank][name] = a - basis @ factor.t()
-                factors.append(factor)
-            average = sum(factors) / world
+            accumulated = [grads[name].reshape(lay.n, lay.m) + self.errors[rank][name]
+                           for rank, grads in enumerate(grads_per_rank)]
             if phase is Phase.P:
+                average = sum(a @ basis for a in accumulated) / world
                 self.p[name] = average
-                expected[name] = (average @ basis.t()).reshape(lay.shape)
+                applied = average @ basis.t()
             else:
+                average = sum(a.t() @ basis for a in accumulated) / world
                 self.q[name] = average
-                expected[name] = (basis @ average.t()).reshape(lay.shape)
+                applied = basis @ average.t()
+            for rank, a in enumerate(accumulated):
+                self.errors[rank][name] = a - applied      # residual against G
+            expected[name] = applied.reshape(lay.shape)
         return expected
 
 
