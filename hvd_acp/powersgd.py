@@ -52,6 +52,9 @@ class PowerSGDReducer(ACPReducer):
         if rnd.phase is Phase.DENSE:
             super()._complete(rnd)
             return
+        for b_index in range(len(rnd.buckets)):
+            self.comm.synchronize(rnd.handles[b_index])
+        started = time.perf_counter()
         nonfinite = self._nonfinite_slots(rnd)
         compressed = []
         for bucket in rnd.buckets:
@@ -64,6 +67,7 @@ class PowerSGDReducer(ACPReducer):
                     self._write_grad(rnd, slot.name)
         if not compressed:
             self._count_nonfinite(nonfinite)
+            self.compression_seconds += time.perf_counter() - started
             return
         orthonormalize_(self.p_factors[name] for name in compressed)
         buckets, buffers = self._plan(Phase.Q, tuple(compressed))
@@ -91,6 +95,7 @@ class PowerSGDReducer(ACPReducer):
                 feedback_(self.errors[name], matrix, share)   # E = A - G
             if not direct:
                 param.grad.copy_(matrix.view(param.grad.shape))
+        self.compression_seconds += time.perf_counter() - started
 
     def wire_elements(self, phase: Phase) -> int:
         if phase is Phase.DENSE:

@@ -307,11 +307,7 @@ class ACPReducer:
             for slot in bucket.slots:
                 if slot.name not in rnd.filled:
                     self._fill(slot.name, self._dense_grad(slot.name, self.params[slot.name]))
-        for b_index in range(len(rnd.buckets)):
-            self.comm.synchronize(rnd.handles[b_index])
-        started = time.perf_counter()
         self._complete(rnd)
-        self.compression_seconds += time.perf_counter() - started
         self._round = None
         for name in self._passes:
             self._passes[name] = 0
@@ -319,12 +315,23 @@ class ACPReducer:
         self.register_hooks()
 
     def _complete(self, rnd: _Round) -> None:
-        """Turn the averaged buffers of the round into ``p.grad``."""
-        nonfinite = self._nonfinite_slots(rnd)
-        self._count_nonfinite(nonfinite)
-        for bucket in rnd.buckets:
+        """Wait for the round's buffers and turn them into ``p.grad``.
+
+        Buffers are taken in launch (backward) order, and each one's
+        gradients are reconstructed as soon as it arrives, while the later
+        buffers (those of the first layers, launched at the end of backward)
+        are still on the wire.
+        """
+        nonfinite = set()
+        for b_index, bucket in enumerate(rnd.buckets):
+            self.comm.synchronize(rnd.handles[b_index])
+            started = time.perf_counter()
+            bad = self._nonfinite_slots(rnd, [b_index])
             for slot in bucket.slots:
-                self._write_grad(rnd, slot.name, slot.name not in nonfinite)
+                self._write_grad(rnd, slot.name, slot.name not in bad)
+            nonfinite |= bad
+            self.compression_seconds += time.perf_counter() - started
+        self._count_nonfinite(nonfinite)
 
     def _count_nonfinite(self, names: set) -> None:
         if names:
@@ -332,7 +339,7 @@ class ACPReducer:
             logger.info("step %d: non-finite averaged gradient for %d tensor(s); "
                         "factors kept, error feedback reset", self.step_count, len(names))
 
-    def _nonfinite_slots(self, rnd: _Round) -> set:
+    def _nonfinite_slots(self, rnd: _Round, indices: Optional[Sequence[int]] = None) -> set:
         """Names whose averaged payload holds inf or NaN (e.g. an fp16 overflow).
 
         The averaged buffers are identical on every rank, so every rank finds
@@ -342,7 +349,8 @@ class ACPReducer:
         skips the step.
         """
         bad = set()
-        for bucket, buffer in zip(rnd.buckets, rnd.buffers):
+        for b_index in range(len(rnd.buckets)) if indices is None else indices:
+            bucket, buffer = rnd.buckets[b_index], rnd.buffers[b_index]
             if bool(torch.isfinite(buffer).all()):
                 continue
             for slot in bucket.slots:

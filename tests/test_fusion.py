@@ -202,3 +202,46 @@ def test_slots_are_views_of_the_flat_buffer_that_is_reduced(threshold):
         assert_close(params[name].grad, 2 * local[name])
     assert reducer.layouts["0.weight"].compressed
     assert_close(reducer.p_factors["0.weight"], 2 * local["0.weight"] @ basis["0.weight"])
+
+
+class _OrderCommunicator(hvd_acp.LocalCommunicator):
+    """Records the waits, and the parameters whose p.grad is already written."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.params, self.events = params, []
+        self.names = {}
+
+    def allreduce_async_(self, tensor, name):
+        handle = super().allreduce_async_(tensor, name)
+        self.names[id(handle)] = name
+        return handle
+
+    def synchronize(self, handle):
+        done = sorted(n for n, p in self.params.items() if p.grad is not None)
+        self.events.append((self.names[id(handle)], done))
+        super().synchronize(handle)
+
+
+def test_each_buffer_is_turned_into_gradients_before_the_next_wait():
+    """step() reconstructs a buffer's gradients as soon as it arrives, while
+    the buffers launched later (the first layers') are still in flight."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 10), torch.nn.Tanh(),
+                                torch.nn.Linear(10, 8), torch.nn.Tanh(),
+                                torch.nn.Linear(8, 3)).double()
+    params = dict(model.named_parameters())
+    comm = _OrderCommunicator(params)
+    opt = hvd_acp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+        matrix_rank=2, fusion_threshold_bytes=0, communicator=comm)
+    model(torch.randn(5, 12, dtype=F64)).pow(2).sum().backward()
+    for p in params.values():
+        p.grad = None          # written again only by the reducer from here on
+    opt.synchronize()
+    plan = plan_buckets(list(opt.reducer.layouts.values()), Phase.P, 0)
+    assert [name for name, _ in comm.events] == [b.name for b in plan]
+    assert len(plan) == len(params)
+    for index, (_, done) in enumerate(comm.events):
+        # Waiting for buffer k: exactly the gradients of buffers 0..k-1 are written.
+        assert done == sorted(s.name for b in plan[:index] for s in b.slots)

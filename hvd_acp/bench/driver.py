@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import platform
-import select
 import signal
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from . import report
 from .launch import (Command, JobError, kill_worker_pids, new_session_dying_with_parent,
                      run_job, stop)
 from .netem import EmulatedNetwork
-from .rendezvous import slot_env
+from .rendezvous import rank_commands, start_server
 from .stats import combine_ranks, percentile, summarize_steps
 from .worker import DIAGNOSTICS, HOROVOD_METHODS, IFACE_ENV
 
@@ -40,7 +39,6 @@ LOCAL_DIAGNOSTICS = ("compute-concurrent", "acp-local")
 DISTURBED_SHARE = 0.10
 #: Before a re-run, wait at most this long for the machine to be idle.
 QUIET_WAIT_S = 300.0
-RENDEZVOUS_START_S = 60.0
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -183,49 +181,25 @@ class _Runner:
             argv = [self._tool("torchrun"), "--standalone", "--nproc-per-node",
                     str(c.np)] + worker[1:]
             return [Command(argv, self._env(), "torchrun")]
-        commands = []
-        for rank in range(c.np):
-            if method in HVD_LAUNCHED:
-                # What horovodrun --gloo sets for each rank (gloo_run.py).
-                extra = dict(slot_env(rank, c.np),
-                             HOROVOD_GLOO_RENDEZVOUS_ADDR=net.hub_address,
-                             HOROVOD_GLOO_RENDEZVOUS_PORT=str(rendezvous_port),
-                             HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo",
-                             HOROVOD_GLOO_IFACE=net.iface, NCCL_SOCKET_IFNAME=net.iface)
-            else:
-                # What torchrun sets, with a fixed master on rank 0's node.
-                extra = dict(RANK=str(rank), WORLD_SIZE=str(c.np), LOCAL_RANK="0",
-                             LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank),
-                             MASTER_ADDR=net.address(0), MASTER_PORT=str(DDP_MASTER_PORT),
-                             GLOO_SOCKET_IFNAME=net.iface)
-            extra[IFACE_ENV] = net.iface
-            commands.append(Command(net.exec_prefix(rank) + worker, self._env(extra),
-                                    f"rank{rank}"))
-        return commands
+        if method in HVD_LAUNCHED:
+            # What horovodrun --gloo sets for each rank (gloo_run.py).
+            return rank_commands(net, worker, self._env(), rendezvous_port,
+                                 {IFACE_ENV: net.iface})
+        # What torchrun sets, with a fixed master on rank 0's node.
+        return [Command(net.exec_prefix(rank) + worker, self._env({
+                    "RANK": str(rank), "WORLD_SIZE": str(c.np), "LOCAL_RANK": "0",
+                    "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank),
+                    "MASTER_ADDR": net.address(0), "MASTER_PORT": str(DDP_MASTER_PORT),
+                    "GLOO_SOCKET_IFNAME": net.iface, IFACE_ENV: net.iface}), f"rank{rank}")
+                for rank in range(c.np)]
 
     # ------------------------------------------------------------- running
     def _start_rendezvous(self) -> tuple:
-        argv = self.net.exec_prefix() + [self.python, "-m", "hvd_acp.bench.rendezvous",
-                                         "--np", str(self.cfg.np)]
-        proc = subprocess.Popen(argv, env=self._env(), stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        try:
+            return start_server(self.net, self.python, self._env(),
                                 preexec_fn=new_session_dying_with_parent)
-        deadline = time.monotonic() + RENDEZVOUS_START_S
-        lines = []
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([proc.stdout], [], [], 0.5)
-            if ready:
-                line = proc.stdout.readline()
-                if not line:
-                    break
-                lines.append(line)
-                if line.startswith("port "):
-                    return proc, int(line.split()[1])
-            elif proc.poll() is not None:
-                break
-        stop([proc])
-        raise JobError("the Horovod rendezvous server did not start in the hub namespace: "
-                       + "".join(lines)[-2000:])
+        except RuntimeError as exc:
+            raise JobError(str(exc)) from None
 
     def run_method(self, method: str) -> List[Dict[str, Any]]:
         """Run one job; returns the per-rank result dicts."""

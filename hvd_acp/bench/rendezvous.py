@@ -14,11 +14,17 @@ SIGTERM. Rank ``i`` runs on host ``node<i>`` with one slot, as
 from __future__ import annotations
 
 import argparse
+import select
 import signal
+import subprocess
 import sys
-from typing import Dict, List
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["host_plan", "slot_env", "main"]
+__all__ = ["host_plan", "slot_env", "rank_env", "start_server", "rank_commands", "main"]
+
+#: Seconds to wait for the server to report its port.
+START_TIMEOUT_S = 60.0
 
 
 def host_plan(np: int) -> List:
@@ -32,6 +38,60 @@ def slot_env(rank: int, np: int) -> Dict[str, str]:
     return {"HOROVOD_HOSTNAME": f"node{rank}", "HOROVOD_RANK": str(rank),
             "HOROVOD_SIZE": str(np), "HOROVOD_LOCAL_RANK": "0", "HOROVOD_LOCAL_SIZE": "1",
             "HOROVOD_CROSS_RANK": str(rank), "HOROVOD_CROSS_SIZE": str(np)}
+
+
+def rank_env(net, rank: int, port: int) -> Dict[str, str]:
+    """What a rank of a Horovod job on node ``rank`` of ``net`` (an
+    :class:`~hvd_acp.bench.netem.EmulatedNetwork`) needs: the per-slot
+    variables of ``horovodrun --gloo``, the server in the hub, the node's
+    interface for Gloo (and NCCL)."""
+    return dict(slot_env(rank, net.np),
+                HOROVOD_GLOO_RENDEZVOUS_ADDR=net.hub_address,
+                HOROVOD_GLOO_RENDEZVOUS_PORT=str(port),
+                HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo",
+                HOROVOD_GLOO_IFACE=net.iface, NCCL_SOCKET_IFNAME=net.iface)
+
+
+def start_server(net, python: str, env: Dict[str, str],
+                 preexec_fn=None) -> Tuple[subprocess.Popen, int]:
+    """Start this module's server in ``net``'s hub namespace.
+
+    Returns the process and its port. Stop it by closing its stdin (then
+    :func:`~hvd_acp.bench.launch.stop`). Raises ``RuntimeError`` with the
+    server's output if it does not report a port within
+    :data:`START_TIMEOUT_S`.
+    """
+    argv = net.exec_prefix() + [python, "-m", "hvd_acp.bench.rendezvous", "--np", str(net.np)]
+    proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=preexec_fn)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    lines: List[str] = []
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("port "):
+                return proc, int(line.split()[1])
+        elif proc.poll() is not None:
+            break
+    proc.kill()
+    proc.wait()
+    raise RuntimeError("the Horovod rendezvous server did not start in the hub namespace: "
+                       + "".join(lines)[-2000:])
+
+
+def rank_commands(net, argv: Sequence[str], env: Dict[str, str], port: int,
+                  extra_env: Optional[Dict[str, str]] = None) -> List:
+    """One :class:`~hvd_acp.bench.launch.Command` per rank: ``argv`` run in
+    the rank's namespace, as ``horovodrun -np N -H node0:1,...`` would."""
+    from .launch import Command
+    return [Command(net.exec_prefix(rank) + list(argv),
+                    dict(env, **rank_env(net, rank, port), **(extra_env or {})),
+                    f"rank{rank}")
+            for rank in range(net.np)]
 
 
 def main(argv=None) -> int:
