@@ -9,6 +9,10 @@ hyper-parameters (the scripts' defaults) on ``--np`` ranks under
 Tasks:
 
 - ``digits``: the digits CNN (examples/train.py), once per seed in ``--seeds``;
+- ``digits-link``: the same runs with every rank in its own network
+  namespace behind an emulated ``--bandwidth`` link (hvd_acp.bench's
+  emulation; needs root, ``ip`` and ``tc``, else skipped with a message):
+  accuracy against wall time where the network is the bottleneck;
 - ``lm``: the standard-library language model (examples/train_lm.py), once
   per seed in ``--lm-seeds``, plus the ACP-SGD setting that closes the gap
   to S-SGD;
@@ -68,6 +72,13 @@ class Task:
     script: str
     title: str
     runs: List[Run]
+    #: Run over the emulated link of ``--bandwidth`` instead of loopback.
+    link: bool = False
+
+    @property
+    def stem(self) -> str:
+        """Prefix of the task's files under ``--results``."""
+        return self.script[:-3] + ("_link" if self.link else "")
 
 
 METHODS = (("S-SGD", "ssgd", ()), ("Power-SGD", "powersgd", ()), ("ACP-SGD", "acp", ()))
@@ -96,11 +107,15 @@ def lm_sweep_runs() -> List[Run]:
 
 def make_tasks(args) -> List[Task]:
     tasks = []
+    digits_runs = [Run(label, opt, seed, extra) for seed in args.seeds
+                   for label, opt, extra in METHODS]
     if "digits" in args.tasks:
         tasks.append(Task("digits", "train.py",
-                          "Digits CNN (scikit-learn handwritten digits, 8x8)",
-                          [Run(label, opt, seed, extra) for seed in args.seeds
-                           for label, opt, extra in METHODS]))
+                          "Digits CNN (scikit-learn handwritten digits, 8x8)", digits_runs))
+    if "digits-link" in args.tasks:
+        tasks.append(Task("digits-link", "train.py",
+                          f"Digits CNN over an emulated {args.bandwidth_mbit:g} Mbit/s link",
+                          digits_runs, link=True))
     if "lm" in args.tasks or "lm-sweep" in args.tasks:
         main_runs = [Run(label, opt, seed, extra) for seed in args.lm_seeds
                      for label, opt, extra in (*METHODS, *LM_ACP_SETTINGS)]
@@ -118,8 +133,11 @@ def make_tasks(args) -> List[Task]:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--np", type=int, default=2, help="ranks (default: %(default)s)")
-    parser.add_argument("--tasks", nargs="+", choices=("digits", "lm", "lm-sweep"),
-                        default=["digits", "lm"], help="(default: %(default)s)")
+    parser.add_argument("--tasks", nargs="+", choices=("digits", "digits-link", "lm", "lm-sweep"),
+                        default=["digits", "digits-link", "lm"], help="(default: %(default)s)")
+    parser.add_argument("--bandwidth", default="100mbit",
+                        help="link of each rank in the digits-link task, e.g. 100mbit, 1gbit "
+                             "(default: %(default)s)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
                         help="seeds of the digits runs (default: %(default)s)")
     parser.add_argument("--lm-seeds", type=int, nargs="+", default=[0],
@@ -132,7 +150,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="seconds before a run is killed (default: %(default)s)")
     parser.add_argument("--report-only", action="store_true",
                         help="rebuild the report from the summaries already in --results")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    from hvd_acp.bench.stats import parse_bandwidth
+    try:
+        args.bandwidth_mbit = parse_bandwidth(args.bandwidth)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.bandwidth_mbit is None:
+        parser.error("--bandwidth must be a rate such as 100mbit")
+    return args
 
 
 # --------------------------------------------------------------------- runs
@@ -146,12 +172,21 @@ def _rel(path: Path) -> str:
         return str(path)
 
 
-def command(task: Task, run: Run, np: int, summary: Path) -> List[str]:
-    launcher = Path(sys.executable).with_name("horovodrun")
-    return [_rel(launcher), "-np", str(np), "-H", f"localhost:{np}", "--gloo",
-            _rel(Path(sys.executable)), f"examples/{task.script}",
+def training_argv(task: Task, run: Run, summary: Path) -> List[str]:
+    """What every rank runs."""
+    return [_rel(Path(sys.executable)), f"examples/{task.script}",
             "--optimizer", run.optimizer, "--seed", str(run.seed), *run.args,
             "--no-progress", "--summary", _rel(summary)]
+
+
+def command(task: Task, run: Run, np: int, summary: Path) -> List[str]:
+    """The loopback command line (``horovodrun``); link tasks start the
+    ranks themselves (see :func:`launch_on_link`)."""
+    if task.link:
+        return training_argv(task, run, summary)
+    launcher = Path(sys.executable).with_name("horovodrun")
+    return [_rel(launcher), "-np", str(np), "-H", f"localhost:{np}", "--gloo",
+            *training_argv(task, run, summary)]
 
 
 def shell_line(cmd: Sequence[str]) -> str:
@@ -176,6 +211,50 @@ def launch(cmd: Sequence[str], log: Path, timeout: float) -> int:
             return -signal.SIGKILL
 
 
+def launch_on_link(net, cmd: Sequence[str], log: Path, timeout: float) -> int:
+    """Run ``cmd`` on every node of ``net``, a Horovod job over its links.
+
+    What ``horovodrun -np N -H node0:1,...`` does on a cluster: a rendezvous
+    server (in the hub namespace) and one rank per node, each with the
+    per-slot environment. A rank that fails stops the others; on timeout
+    everything is killed.
+    """
+    from hvd_acp.bench.launch import JobError, run_job, stop
+    from hvd_acp.bench.rendezvous import rank_commands, start_server
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
+                                          if p))
+    if log.exists():
+        log.unlink()
+    cwd = os.getcwd()
+    os.chdir(REPO)             # the command's paths are relative to the repository
+    server = None
+    try:
+        server, port = start_server(net, sys.executable, env)
+        run_job(rank_commands(net, cmd, env, port), log, timeout)
+        return 0
+    except (JobError, RuntimeError) as exc:
+        with open(log, "a", encoding="utf-8") as out:
+            out.write(f"\n[compare] {exc}\n")
+        return 1
+    finally:
+        os.chdir(cwd)
+        if server is not None:
+            server.stdin.close()
+            stop([server])
+
+
+def emulation_problem() -> Optional[str]:
+    """Why the emulated link cannot be built here, or None."""
+    from hvd_acp.bench.netem import NetworkSetupError, check_can_emulate
+    try:
+        check_can_emulate()
+    except NetworkSetupError as exc:
+        return str(exc)
+    return None
+
+
 def has_powersgd() -> bool:
     try:
         import hvd_acp
@@ -187,27 +266,42 @@ def has_powersgd() -> bool:
 def run_all(tasks: List[Task], args) -> None:
     args.results.mkdir(parents=True, exist_ok=True)
     for task in tasks:
-        for run in sorted(task.runs, key=lambda r: r.seed):
-            if run.optimizer == "powersgd" and not has_powersgd():
-                print(f"[compare] skipping {run.label}: hvd_acp.PowerSGDOptimizer does not "
-                      "exist in this version of hvd_acp", flush=True)
+        if task.link:
+            problem = emulation_problem()
+            if problem:
+                print(f"[compare] skipping {task.name}: {problem}", flush=True)
                 continue
-            summary = args.results / f"{task.script[:-3]}_{run.key}.json"
-            if summary.exists():
-                summary.unlink()
-            cmd = command(task, run, args.np, summary)
-            print(f"[compare] {shell_line(cmd)}", flush=True)
-            start = time.perf_counter()
-            log = summary.with_suffix(".log")
-            rc = launch(cmd, log, args.timeout)
-            status = "ok" if rc == 0 and summary.exists() else f"FAILED (exit {rc})"
-            print(f"[compare]   {status} in {time.perf_counter() - start:.0f} s; "
-                  f"log {_rel(log)}", flush=True)
+            from hvd_acp.bench.netem import EmulatedNetwork
+            with EmulatedNetwork(args.np, args.bandwidth_mbit) as net:
+                print(f"[compare] {task.name}: {net.describe()}", flush=True)
+                run_task(task, args, net)
+        else:
+            run_task(task, args, None)
+
+
+def run_task(task: Task, args, net) -> None:
+    for run in sorted(task.runs, key=lambda r: r.seed):
+        if run.optimizer == "powersgd" and not has_powersgd():
+            print(f"[compare] skipping {run.label}: hvd_acp.PowerSGDOptimizer does not "
+                  "exist in this version of hvd_acp", flush=True)
+            continue
+        summary = summary_path(task, run, args.results)
+        if summary.exists():
+            summary.unlink()
+        cmd = command(task, run, args.np, summary)
+        print(f"[compare] {shell_line(cmd)}", flush=True)
+        start = time.perf_counter()
+        log = summary.with_suffix(".log")
+        rc = (launch_on_link(net, cmd, log, args.timeout) if net is not None
+              else launch(cmd, log, args.timeout))
+        status = "ok" if rc == 0 and summary.exists() else f"FAILED (exit {rc})"
+        print(f"[compare]   {status} in {time.perf_counter() - start:.0f} s; "
+              f"log {_rel(log)}", flush=True)
 
 
 # ------------------------------------------------------------------- report
 def summary_path(task: Task, run: Run, results: Path) -> Path:
-    return results / f"{task.script[:-3]}_{run.key}.json"
+    return results / f"{task.stem}_{run.key}.json"
 
 
 def load(task: Task, results: Path) -> Dict[Run, dict]:
@@ -264,10 +358,43 @@ def digits_section(task: Task, found, args) -> List[str]:
                    f"{'met' if gap >= -0.5 else 'NOT met'}. The test set has "
                    f"{next(iter(found.values()))['config']['test_size']} images: one image "
                    f"is {100 / next(iter(found.values()))['config']['test_size']:.2f} points.\n")
-    picture = args.img / "convergence_digits.png"
+    if task.link:
+        out += time_to_accuracy(found, DIGITS_TARGET)
+    picture = args.img / f"convergence_{task.name.replace('-', '_')}.png"
     plot(found, "test_accuracy_per_epoch", "test accuracy (%)", 100, picture, task.title)
     out.append(f"![{task.title}]({os.path.relpath(picture, args.doc.parent)})\n")
     return out
+
+
+#: Test accuracy whose time to reach is reported for runs over a link.
+DIGITS_TARGET = 0.95
+
+
+def time_to_accuracy(found: Dict[Run, dict], target: float) -> List[str]:
+    """Per method: training wall time (mean over seeds), and time until the
+    test accuracy first reaches ``target`` at an epoch's end."""
+    rows = ["| method | training wall time (s), mean | vs S-SGD | time to "
+            f"{100 * target:g}% test accuracy (s), mean | vs S-SGD |", "|---|---:|---:|---:|---:|"]
+    stats = {}
+    for label, runs in by_label(found).items():
+        train = statistics.fmean(s["train_s"] for _, s in runs)
+        reach = []
+        for _, summary in runs:
+            hits = [t for acc, t in zip(summary["test_accuracy_per_epoch"],
+                                        summary["train_s_per_epoch"]) if acc >= target]
+            reach.append(hits[0] if hits else None)
+        stats[label] = (train, statistics.fmean(reach) if None not in reach else None,
+                        reach.count(None))
+    ref = stats.get("S-SGD")
+    for label, (train, reach, missed) in stats.items():
+        speed = f"{ref[0] / train:.2f}x" if ref else "–"
+        if reach is None:
+            reach_cell, reach_speed = f"not reached in {missed} run(s)", "–"
+        else:
+            reach_cell = f"{reach:.1f}"
+            reach_speed = f"{ref[1] / reach:.2f}x" if ref and ref[1] else "–"
+        rows.append(f"| {label} | {train:.1f} | {speed} | {reach_cell} | {reach_speed} |")
+    return rows + [""]
 
 
 def lm_reference(run: Run, found: Dict[Run, dict]) -> Optional[dict]:
@@ -362,8 +489,8 @@ def seed_means(found: Dict[Run, dict]) -> List[str]:
     return out
 
 
-SECTIONS: Dict[str, Callable] = {"digits": digits_section, "lm": lm_section,
-                                 "lm-sweep": lm_sweep_section}
+SECTIONS: Dict[str, Callable] = {"digits": digits_section, "digits-link": digits_section,
+                                 "lm": lm_section, "lm-sweep": lm_sweep_section}
 
 
 def plot(found: Dict[Run, dict], metric: str, ylabel: str, scale: float, path: Path,
@@ -409,10 +536,18 @@ def section_text(task: Task, args) -> Optional[str]:
     found = load(task, args.results)
     if not found:
         return None
+    invocation = f"{_rel(Path(sys.argv[0]))} --tasks {task.name}"
+    if task.link:
+        from hvd_acp.bench.netem import EmulatedNetwork
+        invocation += f" --bandwidth {args.bandwidth}"
+        where = (f"{args.np} ranks, each started by the script in its own network namespace "
+                 f"with Horovod's Gloo rendezvous as `horovodrun` sets it up on a cluster: "
+                 f"{EmulatedNetwork(args.np, args.bandwidth_mbit).describe()}")
+    else:
+        where = f"{args.np} ranks under `horovodrun --gloo` on localhost"
     lines = [f"## {task.title}\n",
-             f"Generated by `{_rel(Path(sys.argv[0]))} --tasks {task.name}` on "
-             f"{datetime.date.today().isoformat()}: {args.np} ranks under `horovodrun --gloo` "
-             f"on localhost, one thread each, {os.cpu_count()} CPU cores "
+             f"Generated by `{invocation}` on {datetime.date.today().isoformat()}: {where}; "
+             f"one thread per rank, {os.cpu_count()} CPU cores "
              f"({platform.machine()}), Python {platform.python_version()}, torch "
              f"{torch.__version__}, Horovod {horovod.__version__}.\n"]
     lines += SECTIONS[task.name](task, found, args)
@@ -421,7 +556,9 @@ def section_text(task: Task, args) -> Optional[str]:
         lines.append("No Power-SGD rows: " + (
             "`hvd_acp.PowerSGDOptimizer` did not exist when these runs were made.\n"
             if not has_powersgd() else "its runs failed; see their logs.\n"))
-    lines.append("<details><summary>Exact commands of these runs</summary>\n\n```sh")
+    lines.append("<details><summary>Exact commands of these runs</summary>\n\n"
+                 + ("Every rank runs, in its own namespace:\n\n" if task.link else "")
+                 + "```sh")
     for run in found:
         lines.append(shell_line(command(task, run, args.np,
                                         summary_path(task, run, args.results))))
@@ -440,12 +577,16 @@ Each method runs the same example script with the same seeds and
 hyper-parameters; only `--optimizer` (and the flags shown) change. Bytes are
 what each rank handed to gradient all-reduces: counted by hvd_acp's
 `comm_stats` for Power-SGD and ACP-SGD, one full fp32 gradient per step for
-S-SGD (`hvd.DistributedOptimizer`). Wall times come from a 2-core machine
-shared with other jobs over loopback: they are noisy and say nothing about
-speed on a real network (the benchmarks measure that).
+S-SGD (`hvd.DistributedOptimizer`). Over loopback, wall times come from a
+2-core machine with no network in the way: they are noisy and say nothing
+about speed on a real network. The digits runs over an emulated link (each
+rank in its own network namespace behind a rate-limited interface, as in the
+benchmarks) show accuracy against wall time where the network is the
+bottleneck.
 
-Reproduce with `make compare` (digits and LM) and
-`.venv/bin/python scripts/compare.py --tasks lm-sweep` (the LM sweep).
+Reproduce with `make compare` (digits, digits over a 100 Mbit/s link when
+run as root, and the LM) and `.venv/bin/python scripts/compare.py --tasks
+lm-sweep` (the LM sweep).
 """
 
 
