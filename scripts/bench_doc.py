@@ -27,6 +27,8 @@ RUNS = (
     ("resnet50_10gbit", "ResNet-50, 10 Gbit/s per node (S-SGD compute-bound)"),
     ("bert-base_200mbit", "BERT-Base, 200 Mbit/s per node (S-SGD communication-bound)"),
     ("bert-base_10gbit", "BERT-Base, 10 Gbit/s per node (S-SGD compute-bound)"),
+    ("bert-base_b32_75mbit",
+     "BERT-Base, the paper's batch of 32 per rank, 75 Mbit/s per node (S-SGD communication-bound)"),
     ("resnet50_100mbit_cycle50", "ResNet-50, 100 Mbit/s per node, 50 ms Horovod cycle"),
     ("bert-base_200mbit_cycle50", "BERT-Base, 200 Mbit/s per node, 50 ms Horovod cycle"),
     ("resnet50_100mbit_default_cycle",
@@ -41,7 +43,8 @@ def run_section(results: Path, run: str, title: str, img: Path, doc: Path) -> Li
     for line in lines[1:]:
         if line.startswith("- ") or line.startswith("Topology:"):
             continue        # column notes and topology: once, in the hand-written part
-        body.append(line)
+        if line.strip() or (body and body[-1].strip()):
+            body.append(line)       # no runs of blank lines where a line was dropped
     while body and not body[-1].strip():
         body.pop()
     picture = img / f"bench_{run.replace('-', '_')}.png"
