@@ -227,19 +227,17 @@ def launch_on_link(net, cmd: Sequence[str], log: Path, timeout: float) -> int:
                                           if p))
     if log.exists():
         log.unlink()
-    cwd = os.getcwd()
-    os.chdir(REPO)             # the command's paths are relative to the repository
     server = None
     try:
         server, port = start_server(net, sys.executable, env)
-        run_job(rank_commands(net, cmd, env, port), log, timeout)
+        # The command's paths are relative to the repository.
+        run_job(rank_commands(net, cmd, env, port, cwd=str(REPO)), log, timeout)
         return 0
     except (JobError, RuntimeError) as exc:
         with open(log, "a", encoding="utf-8") as out:
             out.write(f"\n[compare] {exc}\n")
         return 1
     finally:
-        os.chdir(cwd)
         if server is not None:
             server.stdin.close()
             stop([server])

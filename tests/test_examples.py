@@ -75,3 +75,41 @@ def test_lm_smoke_loss_finite_and_decreasing(tmp_path):
     assert summary["val_ppl"] == pytest.approx(math.exp(summary["val_loss"]))
     assert summary["steps"] == 18
     assert 0 < summary["bytes_sent_per_rank"] < summary["ssgd_bytes_per_rank"]
+
+
+def _can_emulate() -> bool:
+    import os
+    import shutil
+    return os.geteuid() == 0 and shutil.which("ip") is not None and \
+        shutil.which("tc") is not None
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(not _can_emulate(), reason="network emulation needs root, ip and tc")
+def test_compare_runs_the_digits_over_an_emulated_link(tmp_path):
+    """scripts/compare.py --tasks digits-link: every method trains with its
+    ranks in their own namespaces, and the report gets its section."""
+    import os
+    import subprocess
+    import sys
+
+    repo = EXAMPLES.parent
+    doc, img, results = tmp_path / "convergence.md", tmp_path / "img", tmp_path / "results"
+    cmd = [sys.executable, "scripts/compare.py", "--tasks", "digits-link", "--seeds", "0",
+           "--bandwidth", "1gbit", "--results", str(results), "--doc", str(doc),
+           "--img", str(img), "--timeout", "300"]
+    proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=380,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for method in ("s_sgd", "power_sgd", "acp_sgd"):
+        summary = json.loads((results / f"train_link_{method}_seed_0.json").read_text())
+        assert summary["config"]["world_size"] == 2
+        assert summary["test_accuracy"] > 0.9, (method, summary["test_accuracy"])
+        log = (results / f"train_link_{method}_seed_0.log").read_text()
+        # Both ranks were started inside their own network namespace.
+        for rank in (0, 1):
+            assert f"rank{rank}: ip netns exec hvdacp-" in log
+    text = doc.read_text()
+    assert "## Digits CNN over an emulated 1000 Mbit/s link" in text
+    assert "time to 95% test accuracy" in text
+    assert (img / "convergence_digits_link.png").stat().st_size > 0

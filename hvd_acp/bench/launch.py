@@ -37,6 +37,8 @@ class Command:
     argv: List[str]
     env: Dict[str, str]
     label: str
+    #: Working directory (None: the caller's).
+    cwd: Optional[str] = None
 
 
 def new_session_dying_with_parent() -> None:
@@ -146,7 +148,8 @@ def run_job(commands: Sequence[Command], log_path: Path, timeout_s: float,
                 with lock:
                     log.write(f"[driver] {cmd.label}: {' '.join(cmd.argv)}\n")
                     log.flush()
-                proc = subprocess.Popen(cmd.argv, env=cmd.env, stdin=subprocess.DEVNULL,
+                proc = subprocess.Popen(cmd.argv, env=cmd.env, cwd=cmd.cwd,
+                                        stdin=subprocess.DEVNULL,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True, bufsize=1,
                                         preexec_fn=new_session_dying_with_parent)

@@ -84,13 +84,15 @@ def start_server(net, python: str, env: Dict[str, str],
 
 
 def rank_commands(net, argv: Sequence[str], env: Dict[str, str], port: int,
-                  extra_env: Optional[Dict[str, str]] = None) -> List:
+                  extra_env: Optional[Dict[str, str]] = None,
+                  cwd: Optional[str] = None) -> List:
     """One :class:`~hvd_acp.bench.launch.Command` per rank: ``argv`` run in
-    the rank's namespace, as ``horovodrun -np N -H node0:1,...`` would."""
+    the rank's namespace (from ``cwd``), as ``horovodrun -np N -H
+    node0:1,...`` would."""
     from .launch import Command
     return [Command(net.exec_prefix(rank) + list(argv),
                     dict(env, **rank_env(net, rank, port), **(extra_env or {})),
-                    f"rank{rank}")
+                    f"rank{rank}", cwd)
             for rank in range(net.np)]
 
 
