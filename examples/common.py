@@ -4,7 +4,7 @@
   that wraps a torch optimizer for Horovod (:func:`distributed_optimizer`);
 - the bookkeeping every script reports: bytes each rank sent against what
   S-SGD would have sent (:class:`ByteMeter`), metrics summed over ranks
-  (:func:`allreduce_sums`), the ``--summary`` JSON (:func:`write_summary`);
+  (:func:`allreduce_sums`), the ``--summary`` JSON (:func:`finish_run`);
 - the digits data (scikit-learn's bundled 8x8 handwritten digits, no
   download), its fixed train/test split and the small CNN trained on it.
 
@@ -152,6 +152,38 @@ def format_bytes_report(report: Dict[str, object], steps: int) -> str:
             f"(by rank: {', '.join(f'{b / 1e6:.3f}' for b in report['bytes_sent_by_rank'])}"
             f" MB); S-SGD would send {ssgd / 1e6:.3f} MB: "
             + (f"{ratio:.1f}x less" if ratio else "n/a"))
+
+
+def finish_run(args: argparse.Namespace, meter: "ByteMeter", history: Dict[str, list],
+               steps: int, wall_s: float, train_s: float, fields: Dict[str, object],
+               config: Dict[str, object], final_line: str) -> dict:
+    """The ``--summary`` of a run: the script's own ``fields`` and ``config``
+    entries around the record every example keeps (per-epoch train loss,
+    steps and training time, bytes sent, arguments and versions).
+
+    A collective (the byte counts are gathered): call on every rank. Rank 0
+    prints the bytes report and ``final_line`` and writes the summary.
+    """
+    import horovod
+    import horovod.torch as hvd
+    report = meter.report(steps)
+    summary = {
+        **fields,
+        "train_loss_per_epoch": history["train_loss"],
+        "step_per_epoch": history["step"],
+        "train_s_per_epoch": history["train_s"],
+        "steps": steps,
+        "wall_s": wall_s,
+        "train_s": train_s,
+        **report,
+        "config": {**vars(args), "world_size": hvd.size(), **config,
+                   "torch": torch.__version__, "horovod": horovod.__version__},
+    }
+    if hvd.rank() == 0:
+        print(format_bytes_report(report, steps), flush=True)
+        print(final_line, flush=True)
+        write_summary(args.summary, summary)
+    return summary
 
 
 def write_summary(path: Optional[str], summary: dict) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import horovod
 import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
@@ -27,8 +26,7 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 from common import (ByteMeter, DigitsCNN, add_common_args, allreduce_sums,
-                    distributed_optimizer, format_bytes_report, load_digits_split,
-                    optimizer_class, write_summary)
+                    distributed_optimizer, finish_run, load_digits_split, optimizer_class)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -123,31 +121,16 @@ def main(argv=None) -> dict:
                   f"test accuracy {100 * test['accuracy']:.2f}%", flush=True)
     wall_s = time.perf_counter() - start
 
-    report = meter.report(steps)
-    summary = {
-        "example": "digits",
-        "optimizer": args.optimizer,
-        "test_accuracy": history["test_accuracy"][-1],
-        "test_loss": history["test_loss"][-1],
-        "test_accuracy_per_epoch": history["test_accuracy"],
-        "loss_per_epoch": history["test_loss"],
-        "train_loss_per_epoch": history["train_loss"],
-        "step_per_epoch": history["step"],
-        "train_s_per_epoch": history["train_s"],
-        "steps": steps,
-        "wall_s": wall_s,
-        "train_s": train_s,
-        **report,
-        "config": {**vars(args), "world_size": hvd.size(), "effective_lr": lr,
-                   "train_size": len(train_set), "test_size": len(test_set),
-                   "torch": torch.__version__, "horovod": horovod.__version__},
-    }
-    if is_root:
-        print(format_bytes_report(report, steps), flush=True)
-        print(f"final test accuracy {100 * summary['test_accuracy']:.2f}%, "
-              f"wall time {wall_s:.1f} s", flush=True)
-        write_summary(args.summary, summary)
-    return summary
+    return finish_run(
+        args, meter, history, steps, wall_s, train_s,
+        fields={"example": "digits", "optimizer": args.optimizer,
+                "test_accuracy": history["test_accuracy"][-1],
+                "test_loss": history["test_loss"][-1],
+                "test_accuracy_per_epoch": history["test_accuracy"],
+                "loss_per_epoch": history["test_loss"]},
+        config={"effective_lr": lr, "train_size": len(train_set), "test_size": len(test_set)},
+        final_line=f"final test accuracy {100 * history['test_accuracy'][-1]:.2f}%, "
+                   f"wall time {wall_s:.1f} s")
 
 
 if __name__ == "__main__":

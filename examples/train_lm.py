@@ -26,7 +26,6 @@ import zlib
 from pathlib import Path
 from typing import List, Tuple
 
-import horovod
 import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
@@ -36,7 +35,7 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 from common import (ByteMeter, add_common_args, allreduce_sums, distributed_optimizer,
-                    format_bytes_report, optimizer_class, write_summary)
+                    finish_run, optimizer_class)
 
 VOCAB_SIZE = 256
 VALIDATION_BUCKET = 10   # one file in ten (by path hash) is validation
@@ -248,33 +247,17 @@ def main(argv=None) -> dict:
                   f"val ppl {val['ppl']:.2f}", flush=True)
     wall_s = time.perf_counter() - start
 
-    report = meter.report(steps)
-    summary = {
-        "example": "stdlib_lm",
-        "optimizer": args.optimizer,
-        "val_loss": history["val_loss"][-1],
-        "val_ppl": history["val_ppl"][-1],
-        "initial_val_loss": initial["loss"],
-        "val_loss_per_epoch": history["val_loss"],
-        "val_ppl_per_epoch": history["val_ppl"],
-        "train_loss_per_epoch": history["train_loss"],
-        "step_per_epoch": history["step"],
-        "train_s_per_epoch": history["train_s"],
-        "steps": steps,
-        "wall_s": wall_s,
-        "train_s": train_s,
-        **report,
-        "corpus": corpus,
-        "config": {**vars(args), "world_size": hvd.size(), "effective_lr": lr,
-                   "parameters": sum(p.numel() for p in model.parameters()),
-                   "torch": torch.__version__, "horovod": horovod.__version__},
-    }
-    if is_root:
-        print(format_bytes_report(report, steps), flush=True)
-        print(f"final val loss {summary['val_loss']:.4f} (ppl {summary['val_ppl']:.2f}), "
-              f"wall time {wall_s:.1f} s", flush=True)
-        write_summary(args.summary, summary)
-    return summary
+    return finish_run(
+        args, meter, history, steps, wall_s, train_s,
+        fields={"example": "stdlib_lm", "optimizer": args.optimizer,
+                "val_loss": history["val_loss"][-1], "val_ppl": history["val_ppl"][-1],
+                "initial_val_loss": initial["loss"],
+                "val_loss_per_epoch": history["val_loss"],
+                "val_ppl_per_epoch": history["val_ppl"], "corpus": corpus},
+        config={"effective_lr": lr,
+                "parameters": sum(p.numel() for p in model.parameters())},
+        final_line=f"final val loss {history['val_loss'][-1]:.4f} "
+                   f"(ppl {history['val_ppl'][-1]:.2f}), wall time {wall_s:.1f} s")
 
 
 if __name__ == "__main__":
