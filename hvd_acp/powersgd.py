@@ -83,7 +83,6 @@ class PowerSGDReducer(ACPReducer):
         self.compression_seconds -= time.perf_counter() - waited
         nonfinite |= self._nonfinite_slots(second)
         self._count_nonfinite(nonfinite)
-        share = self._share()
         for name in compressed:
             lay, param = self.layouts[name], self.params[name]
             q = self._slot_view(second, name)
@@ -92,7 +91,7 @@ class PowerSGDReducer(ACPReducer):
             matrix, direct = self._grad_target(lay, param)
             reconstruct_(matrix, self.p_factors[name], q)     # G = Ph Q^T
             if name not in nonfinite:
-                feedback_(self.errors[name], matrix, share)   # E = A - G
+                feedback_(self.errors[name], matrix, rnd.share)   # E = A - G
             if not direct:
                 param.grad.copy_(matrix.view(param.grad.shape))
         self.compression_seconds += time.perf_counter() - started

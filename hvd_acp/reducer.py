@@ -39,8 +39,11 @@ STATE_FORMAT_VERSION = 1
 class _Round:
     """Bookkeeping of one communication round (one optimizer step)."""
 
-    def __init__(self, phase: Phase, buckets: List[Bucket], buffers: List[Tensor]):
+    def __init__(self, phase: Phase, buckets: List[Bucket], buffers: List[Tensor],
+                 share: float = 1.0):
         self.phase = phase
+        #: This rank's part of an all-reduced result (see ACPReducer._share).
+        self.share = share
         self.buckets = buckets
         self.buffers = buffers
         self.where: Dict[str, Tuple[int, int]] = {}
@@ -240,7 +243,8 @@ class ACPReducer:
             self.register_hooks()
             self._prepare_bases()
             phase = self._round_phase()
-            self._round = _Round(phase, *self._plan(phase, self._active_names()))
+            self._round = _Round(phase, *self._plan(phase, self._active_names()),
+                                 share=self._share())
         return self._round
 
     def _slot_view(self, rnd: _Round, name: str) -> Tensor:
@@ -396,7 +400,7 @@ class ACPReducer:
             else:
                 reconstruct_(matrix, basis, factor)         # G = Ph Q^T
             if commit:
-                feedback_(self.errors[name], matrix, self._share())   # E = A - G
+                feedback_(self.errors[name], matrix, rnd.share)   # E = A - G
             if not direct:
                 param.grad.copy_(matrix.view(param.grad.shape))
         else:
