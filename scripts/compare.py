@@ -193,12 +193,17 @@ def shell_line(cmd: Sequence[str]) -> str:
     return "OMP_NUM_THREADS=1 " + " ".join(shlex.quote(c) for c in cmd)
 
 
+def run_env() -> Dict[str, str]:
+    """The environment of every training run: one thread per rank, unbuffered output."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
 def launch(cmd: Sequence[str], log: Path, timeout: float) -> int:
     """Run ``cmd`` from the repository root in its own process group.
 
     On timeout the whole group (horovodrun and every rank) is killed.
     """
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = run_env()
     with open(log, "w", encoding="utf-8") as out:
         proc = subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
                                 env=env, start_new_session=True)
@@ -222,9 +227,9 @@ def launch_on_link(net, cmd: Sequence[str], log: Path, timeout: float) -> int:
     from hvd_acp.bench.launch import JobError, run_job, stop
     from hvd_acp.bench.rendezvous import rank_commands, start_server
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
-                                          if p))
+    # Ranks started by hand: hvd_acp from this checkout, as horovodrun's would find it.
+    env = dict(run_env(), PYTHONPATH=os.pathsep.join(
+        p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     if log.exists():
         log.unlink()
     server = None
@@ -243,16 +248,6 @@ def launch_on_link(net, cmd: Sequence[str], log: Path, timeout: float) -> int:
             stop([server])
 
 
-def emulation_problem() -> Optional[str]:
-    """Why the emulated link cannot be built here, or None."""
-    from hvd_acp.bench.netem import NetworkSetupError, check_can_emulate
-    try:
-        check_can_emulate()
-    except NetworkSetupError as exc:
-        return str(exc)
-    return None
-
-
 def has_powersgd() -> bool:
     try:
         import hvd_acp
@@ -265,6 +260,7 @@ def run_all(tasks: List[Task], args) -> None:
     args.results.mkdir(parents=True, exist_ok=True)
     for task in tasks:
         if task.link:
+            from hvd_acp.bench.netem import emulation_problem
             problem = emulation_problem()
             if problem:
                 print(f"[compare] skipping {task.name}: {problem}", flush=True)

@@ -58,3 +58,13 @@ def rank_lines(output: str, tag: str) -> list[str]:
         if text.startswith(tag):
             lines.append(text[len(tag):].strip())
     return lines
+
+
+def _emulation_problem():
+    from hvd_acp.bench.netem import emulation_problem
+    return emulation_problem()
+
+
+#: Skips a test that needs the emulated network (root, ip, tc), saying why.
+requires_emulation = pytest.mark.skipif(_emulation_problem() is not None,
+                                        reason=f"network emulation: {_emulation_problem()}")

@@ -4,7 +4,6 @@ Timings are never asserted: the machines that run the suite are shared.
 """
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from hvd_acp.bench.models import SmallNet, build_model, default_matrix_rank
 from hvd_acp.bench.stats import (combine_ranks, parse_bandwidth, parse_methods, percentile,
                                  summarize_steps, tbf_burst_bytes)
 from hvd_acp.bench.worker import link_tx_bytes, powersgd_ddp_bytes_per_step
+from tests.hvdrun import requires_emulation
 
 REPO = Path(__file__).resolve().parent.parent
 METHOD_FIELDS = ("step_s_median", "step_s_p10", "step_s_p90", "samples_per_s",
@@ -238,14 +238,9 @@ def test_smoke_run_writes_every_output(tmp_path):
     assert "localhost" in results["config"]["topology"]
 
 
-def _can_emulate() -> bool:
-    return os.geteuid() == 0 and shutil.which("ip") is not None and \
-        shutil.which("tc") is not None
-
-
 @pytest.mark.horovod
 @pytest.mark.timeout(150)
-@pytest.mark.skipif(not _can_emulate(), reason="network emulation needs root, ip and tc")
+@requires_emulation
 def test_emulated_run_crosses_the_link_and_cleans_up(tmp_path):
     before = set(subprocess.run(["ip", "netns", "list"], capture_output=True,
                                 text=True).stdout.split())
@@ -267,7 +262,7 @@ def test_emulated_run_crosses_the_link_and_cleans_up(tmp_path):
     assert not leaked
 
 
-@pytest.mark.skipif(not _can_emulate(), reason="network emulation needs root, ip and tc")
+@requires_emulation
 def test_leftovers_of_a_dead_run_are_removed():
     from hvd_acp.bench.netem import remove_leftovers
     dead = 4_000_000

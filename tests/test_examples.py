@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.hvdrun import horovodrun
+from tests.hvdrun import horovodrun, requires_emulation
 
 pytestmark = pytest.mark.horovod
 
@@ -77,15 +77,8 @@ def test_lm_smoke_loss_finite_and_decreasing(tmp_path):
     assert 0 < summary["bytes_sent_per_rank"] < summary["ssgd_bytes_per_rank"]
 
 
-def _can_emulate() -> bool:
-    import os
-    import shutil
-    return os.geteuid() == 0 and shutil.which("ip") is not None and \
-        shutil.which("tc") is not None
-
-
 @pytest.mark.timeout(400)
-@pytest.mark.skipif(not _can_emulate(), reason="network emulation needs root, ip and tc")
+@requires_emulation
 def test_compare_runs_the_digits_over_an_emulated_link(tmp_path):
     """scripts/compare.py --tasks digits-link: every method trains with its
     ranks in their own namespaces, and the report gets its section."""

@@ -41,7 +41,8 @@ from .stats import tbf_burst_bytes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EmulatedNetwork", "NetworkSetupError", "check_can_emulate", "remove_leftovers"]
+__all__ = ["EmulatedNetwork", "NetworkSetupError", "check_can_emulate", "emulation_problem",
+           "remove_leftovers"]
 
 SUBNET = "10.77.0"
 IFACE = "acp0"
@@ -67,6 +68,15 @@ def check_can_emulate() -> None:
     if missing:
         raise NetworkSetupError(f"--bandwidth needs the iproute2 tools; not found: "
                                 f"{', '.join(missing)} (apt-get install iproute2)")
+
+
+def emulation_problem() -> Optional[str]:
+    """Why the emulated network cannot be built here, or None when it can."""
+    try:
+        check_can_emulate()
+    except NetworkSetupError as exc:
+        return str(exc)
+    return None
 
 
 def _run(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
