@@ -37,6 +37,10 @@ def add_common_args(parser: argparse.ArgumentParser, *, matrix_rank: int, epochs
     parser.add_argument("--warmup-steps", type=int, default=0,
                         help="steps of exact averaging before compression starts "
                              "(default: %(default)s)")
+    parser.add_argument("--step-ahead", type=float, default=None,
+                        help="step-ahead error feedback of acp and powersgd: the next "
+                             "gradient is taken at w - lr * a * E; 0 switches it off "
+                             "(default: the library's)")
     parser.add_argument("--epochs", type=int, default=epochs,
                         help="epochs to train (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=lr,
@@ -81,7 +85,8 @@ def optimizer_class(name: str):
 
 def distributed_optimizer(name: str, optimizer: torch.optim.Optimizer,
                           named_parameters: Iterable[Tuple[str, torch.Tensor]], *,
-                          matrix_rank: int, warmup_steps: int, seed: int):
+                          matrix_rank: int, warmup_steps: int, seed: int,
+                          step_ahead: Optional[float] = None):
     """Wrap ``optimizer`` for Horovod: the one line a user changes.
 
     ``ssgd`` is ``hvd.DistributedOptimizer(optimizer, named_parameters)``;
@@ -89,11 +94,13 @@ def distributed_optimizer(name: str, optimizer: torch.optim.Optimizer,
     """
     cls = optimizer_class(name)
     if name == "ssgd":
-        if warmup_steps:
-            raise SystemExit("--warmup-steps only applies to --optimizer acp or powersgd")
+        if warmup_steps or step_ahead is not None:
+            raise SystemExit("--warmup-steps and --step-ahead only apply to --optimizer acp "
+                             "or powersgd")
         return cls(optimizer, named_parameters=named_parameters)
+    extra = {} if step_ahead is None else {"step_ahead": step_ahead}
     return cls(optimizer, named_parameters=named_parameters, matrix_rank=matrix_rank,
-               warmup_steps=warmup_steps, seed=seed)
+               warmup_steps=warmup_steps, seed=seed, **extra)
 
 
 # ------------------------------------------------------------------- metrics

@@ -34,6 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_common_args(parser, matrix_rank=4, epochs=12, lr=0.025, batch_size=32)
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    parser.add_argument("--nesterov", action="store_true", help="Nesterov momentum")
     parser.add_argument("--weight-decay", type=float, default=1e-4, help="SGD weight decay")
     return parser.parse_args(argv)
 
@@ -75,10 +76,11 @@ def main(argv=None) -> dict:
     model = DigitsCNN()
     lr = args.lr * hvd.size()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
-                                weight_decay=args.weight_decay)
+                                nesterov=args.nesterov, weight_decay=args.weight_decay)
     optimizer = distributed_optimizer(args.optimizer, optimizer, model.named_parameters(),
                                       matrix_rank=args.matrix_rank,
-                                      warmup_steps=args.warmup_steps, seed=args.seed)
+                                      warmup_steps=args.warmup_steps, seed=args.seed,
+                                      step_ahead=args.step_ahead)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     meter = ByteMeter(optimizer, model)

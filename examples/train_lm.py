@@ -191,7 +191,8 @@ def main(argv=None) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=args.weight_decay)
     optimizer = distributed_optimizer(args.optimizer, optimizer, model.named_parameters(),
                                       matrix_rank=args.matrix_rank,
-                                      warmup_steps=args.warmup_steps, seed=args.seed)
+                                      warmup_steps=args.warmup_steps, seed=args.seed,
+                                      step_ahead=args.step_ahead)
     total_steps = args.epochs * args.steps_per_epoch
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, args.lr_warmup_steps, total_steps))

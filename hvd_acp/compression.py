@@ -40,6 +40,7 @@ __all__ = [
     "feedback_",
     "reconstruct_",
     "init_factor",
+    "step_ahead_shift",
 ]
 
 
@@ -204,3 +205,37 @@ def reconstruct_(target: Tensor, left: Tensor, right: Tensor) -> None:
     """
     target.zero_()
     target.addmm_(left, right.t())
+
+
+def step_ahead_shift(error: Tensor, lr: float, step_ahead: float, share: float = 1.0,
+                     denom: Optional[Tensor] = None) -> Tensor:
+    """How far ahead of the weights this rank computes its next gradient.
+
+    The residual ``E`` is gradient this rank still owes the model: later
+    steps apply it, amplified by momentum. Computing the next gradient at
+    ``w - shift`` instead of ``w`` (step-ahead error feedback, Xu, Huo and
+    Huang) makes it see the weights the owed part will lead to, so the
+    residual no longer feeds back one step late. ACP-SGD projects each
+    gradient onto a basis found from the previous step; without the shift,
+    the part it misses waits in ``E`` and momentum turns its late release
+    into an oscillation at a large learning rate.
+
+    Args:
+        error: shape (n, m), this rank's residual ``E`` (``A - share * G``).
+        lr: the learning rate of the parameter's group.
+        step_ahead: ``a``, the multiple of one step's worth of ``E``.
+        share: this rank's part of the all-reduced result (see
+            :func:`feedback_`): ``E / share`` is the residual in the units of
+            the applied gradient (``N * E`` when the all-reduce sums).
+        denom: optional, shape (n, m): an adaptive optimizer's per-element
+            divisor (Adam's ``sqrt(v_hat) + eps``), so that the shift is the
+            step the optimizer would take for ``E``.
+
+    Returns:
+        A new tensor of shape (n, m): ``lr * a * E / share`` (divided by
+        ``denom`` if given).
+    """
+    shift = error.mul(lr * step_ahead / share)
+    if denom is not None:
+        shift.div_(denom)
+    return shift

@@ -13,10 +13,13 @@ import torch
 
 from .comm import CommStats, Communicator, HorovodCommunicator
 from .reducer import ACPReducer
+from .stepahead import StepAhead
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_FUSION_THRESHOLD_BYTES = 25 * 1024 * 1024
+#: Default ``a`` of step-ahead error feedback (see :mod:`hvd_acp.stepahead`).
+DEFAULT_STEP_AHEAD = 0.2
 STATE_KEY = "hvd_acp"
 
 
@@ -71,6 +74,15 @@ class DistributedOptimizer(_LocalStep):
             least this many times fewer elements; others go uncompressed.
         warmup_steps: steps of exact averaging before ACP-SGD starts.
         seed: seed of the initial factors (identical on every rank).
+        step_ahead: step-ahead error feedback: each rank computes its next
+            gradient this fraction of the way to where its residual ``E``
+            will eventually move the weights: at ``w - step_ahead * lr /
+            (1 - momentum) * E`` for SGD (``w - step_ahead * lr * E /
+            (sqrt(v_hat) + eps)`` for Adam-family optimizers). It keeps
+            ACP-SGD stable at the learning rates S-SGD trains at (see
+            :mod:`hvd_acp.stepahead` and docs/convergence.md). The parameters
+            hold the true weights between ``step()`` and the next training
+            forward pass. 0 switches it off.
         communicator: a :class:`~hvd_acp.comm.Communicator`; defaults to
             Horovod. Tests pass a ``LocalCommunicator``.
     """
@@ -87,6 +99,7 @@ class DistributedOptimizer(_LocalStep):
                  matrix_rank: int = 4,
                  fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD_BYTES,
                  min_compression_rate: float = 2.0, warmup_steps: int = 0, seed: int = 0,
+                 step_ahead: float = DEFAULT_STEP_AHEAD,
                  communicator: Optional[Communicator] = None):
         # Deliberately not calling Optimizer.__init__: param_groups, state and
         # defaults are forwarded to the wrapped optimizer (properties below).
@@ -108,7 +121,7 @@ class DistributedOptimizer(_LocalStep):
                               backward_passes_per_step, op, gradient_predivide_factor,
                               num_groups, groups, sparse_as_dense, matrix_rank,
                               fusion_threshold_bytes, min_compression_rate, warmup_steps,
-                              seed, communicator)
+                              seed, step_ahead, communicator)
         except (ValueError, TypeError, NotImplementedError) as exc:
             error, named = exc, []
 
@@ -129,7 +142,8 @@ class DistributedOptimizer(_LocalStep):
             _agree(communicator, error, _signature(
                 named, matrix_rank=matrix_rank, fusion_threshold_bytes=fusion_threshold_bytes,
                 min_compression_rate=min_compression_rate, warmup_steps=warmup_steps,
-                seed=seed, backward_passes_per_step=backward_passes_per_step))
+                seed=seed, backward_passes_per_step=backward_passes_per_step,
+                step_ahead=step_ahead))
 
         names_by_param = {p: n for n, p in named}
         explicit_groups = None
@@ -146,12 +160,13 @@ class DistributedOptimizer(_LocalStep):
             min_compression_rate=min_compression_rate, warmup_steps=warmup_steps, seed=seed,
             backward_passes_per_step=backward_passes_per_step, groups=explicit_groups,
             sparse_as_dense=sparse_as_dense, name_prefix=self.name_prefix)
+        self._step_ahead = StepAhead(self._reducer, optimizer, step_ahead)
         self.backward_passes_per_step = backward_passes_per_step
         self._synchronized = False
         self._should_synchronize = True
         # The hooks die with the optimizer, so a model can be wrapped again
         # once the previous optimizer is gone (or closed).
-        self._finalizer = weakref.finalize(self, self._reducer.remove_hooks)
+        self._finalizer = weakref.finalize(self, _release, self._reducer, self._step_ahead)
         for _, param in named:
             param._hvd_acp_owner = weakref.ref(self)
         if isinstance(communicator, HorovodCommunicator):
@@ -227,6 +242,18 @@ class DistributedOptimizer(_LocalStep):
             if getattr(param, "_hvd_acp_owner", lambda: None)() is self:
                 del param._hvd_acp_owner
 
+    @contextlib.contextmanager
+    def true_weights(self):
+        """Within this context the parameters hold the true weights.
+
+        Only needed between a training forward pass and ``step()``, when
+        step-ahead error feedback has shifted the compressed parameters
+        (elsewhere they hold the true weights already); use it to evaluate,
+        save or modify the weights in that window. No communication.
+        """
+        with self._step_ahead.true_weights():
+            yield
+
     def sync_compression_state(self, root_rank: int = 0) -> None:
         """Make every rank's compression state equal to ``root_rank``'s.
 
@@ -238,6 +265,7 @@ class DistributedOptimizer(_LocalStep):
         """
         state = self._reducer.state_dict(with_error=False)
         state = self._comm.broadcast_object(state, root_rank, name="hvd_acp.sync_state")
+        self._step_ahead.restore(warn=False)
         self._reducer.load_state_dict(state, reset_error_feedback=True)
 
     def synchronize(self) -> None:
@@ -271,7 +299,12 @@ class DistributedOptimizer(_LocalStep):
             else:
                 self.synchronize()
         self._synchronized = False
-        return self._optimizer.step()
+        # The update applies to the true weights; the next gradient is taken
+        # ahead of them again (see hvd_acp.stepahead).
+        self._step_ahead.restore()
+        result = self._optimizer.step()
+        self._step_ahead.after_step()
+        return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._reducer.round_open:
@@ -303,11 +336,19 @@ class DistributedOptimizer(_LocalStep):
         """
         state_dict = dict(state_dict)
         acp_state = state_dict.pop(STATE_KEY, None)
+        self._step_ahead.restore(warn=False)
         self._optimizer.load_state_dict(state_dict)
         if acp_state is not None:
             self._reducer.load_state_dict(acp_state, reset_error_feedback)
         elif reset_error_feedback:
             self._reducer.reset_error_feedback()
+        self._step_ahead.after_step()
+
+
+def _release(reducer: ACPReducer, step_ahead: StepAhead) -> None:
+    """Remove the gradient hooks and the forward pre-hook for good."""
+    reducer.remove_hooks()
+    step_ahead.close()
 
 
 # ---------------------------------------------------------------- validation
@@ -318,7 +359,7 @@ def _is_int(value) -> bool:
 def _validate(optimizer, named_parameters, compression, backward_passes_per_step, op,
               gradient_predivide_factor, num_groups, groups, sparse_as_dense, matrix_rank,
               fusion_threshold_bytes, min_compression_rate, warmup_steps, seed,
-              communicator) -> List[Tuple[str, torch.Tensor]]:
+              step_ahead, communicator) -> List[Tuple[str, torch.Tensor]]:
     """Check the arguments; returns (name, param) for the optimizer's params."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
@@ -340,6 +381,9 @@ def _validate(optimizer, named_parameters, compression, backward_passes_per_step
         raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
     if not _is_int(seed):
         raise TypeError(f"seed must be an int, got {seed!r}")
+    if (not isinstance(step_ahead, numbers.Real) or isinstance(step_ahead, bool)
+            or not step_ahead >= 0 or step_ahead == float("inf")):
+        raise ValueError(f"step_ahead must be a finite number >= 0, got {step_ahead!r}")
     if not isinstance(gradient_predivide_factor, numbers.Real) or gradient_predivide_factor <= 0:
         raise ValueError("gradient_predivide_factor must be a number > 0, got "
                          f"{gradient_predivide_factor!r}")

@@ -49,11 +49,18 @@ def test_every_rank_completes(launch, world, request):
     assert result.returncode == 0, result.stdout[-6000:]
 
 
-@pytest.mark.parametrize("launch, world", [("two_ranks", 2), ("three_ranks", 3)])
+@pytest.fixture(scope="module")
+def four_ranks():
+    return horovodrun("core_cases.py", "four", np=4, timeout=LAUNCH_TIMEOUT_S, check=False)
+
+
+@pytest.mark.parametrize("launch, world", [("two_ranks", 2), ("three_ranks", 3),
+                                           ("four_ranks", 4)])
 def test_replicas_stay_bit_identical(launch, world, request):
     # 32 steps of a Conv2d/Linear model with biases, SGD with momentum and
     # different inputs per rank; the first four steps' gradients are also
-    # compared with ACP-SGD recomputed from every rank's inputs.
+    # compared with ACP-SGD recomputed from every rank's inputs, each at
+    # that rank's step-ahead weights.
     found = assert_reported(request.getfixturevalue(launch), "PASS replicas", world)
     assert len(set(found.values())) == 1, found     # same steps and all-reduce count
 

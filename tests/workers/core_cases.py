@@ -52,13 +52,19 @@ def assert_replicas_identical(model, tag):
                 f"{tag}: parameter {name} differs between rank 0 and rank {other}"
 
 
-def grads_of(build, model, loss_fn):
+def grads_of(build, model, loss_fn, shift=None):
     """The gradients ``loss_fn`` gives a copy of ``model``, keyed by name.
 
-    A parameter the loss does not reach gets a zero gradient.
+    ``model`` is a module or a state dict; ``shift`` (name -> tensor) is
+    subtracted from the copy's parameters first. A parameter the loss does
+    not reach gets a zero gradient.
     """
     copy = build()
-    copy.load_state_dict(model.state_dict())
+    copy.load_state_dict(model if isinstance(model, dict) else model.state_dict())
+    with torch.no_grad():
+        for name, p in copy.named_parameters():
+            if shift and name in shift:
+                p.sub_(shift[name].reshape(p.shape))
     loss_fn(copy).backward()
     return {n: torch.zeros_like(p) if p.grad is None else p.grad.clone()
             for n, p in copy.named_parameters()}
@@ -99,6 +105,10 @@ class AcpSimulation:
                 self.errors[rank][name] = a - applied      # residual against G
             expected[name] = applied.reshape(lay.shape)
         return expected
+
+    def shift(self, rank, scale):
+        """Rank ``rank``'s step-ahead shift: ``scale * E_rank`` per compressed tensor."""
+        return {name: scale * error for name, error in self.errors[rank].items()}
 
 
 # ------------------------------------------------------------------ models
@@ -186,14 +196,21 @@ def train_step(opt, model, loss_fn):
 
 
 # ------------------------------------------------------------------ checks
-def check_replicas(steps=32, simulated_steps=4):
-    """Conv2d + Linear + biases, momentum, several buffers, inputs per rank."""
+def check_replicas(steps=32, simulated_steps=4, lr=0.05, momentum=0.9, step_ahead=0.2):
+    """Conv2d + Linear + biases, momentum, several buffers, inputs per rank.
+
+    With step-ahead error feedback each rank computes its gradient at its
+    own shifted weights ``w - step_ahead * lr / (1 - momentum) * E_rank``;
+    the recomputation here shifts every rank's copy the same way, from the
+    true weights (``opt.true_weights()``) and that rank's simulated residual.
+    """
     model = build_conv()
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = hvd_acp.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum),
         named_parameters=model.named_parameters(), matrix_rank=2,
-        fusion_threshold_bytes=4 * 1024)
+        fusion_threshold_bytes=4 * 1024, step_ahead=step_ahead)
+    scale = step_ahead * lr / (1 - momentum)
     compressed = {n for n, lay in opt.reducer.layouts.items() if lay.compressed}
     assert compressed == {"conv1.weight", "conv2.weight", "fc1.weight", "fc2.weight"}, compressed
     simulation = AcpSimulation(opt)
@@ -203,7 +220,10 @@ def check_replicas(steps=32, simulated_steps=4):
         opt.zero_grad()
         conv_loss(hvd.rank(), step)(model).backward()
         if step < simulated_steps:
-            grads = [grads_of(build_conv, model, conv_loss(rank, step))
+            with opt.true_weights():
+                true = {k: v.clone() for k, v in model.state_dict().items()}
+            grads = [grads_of(build_conv, true, conv_loss(rank, step),
+                              simulation.shift(rank, scale))
                      for rank in range(hvd.size())]
             expected = simulation.step(opt.phase, grads)
             opt.synchronize()
@@ -357,6 +377,7 @@ CASES = {
     "two": [check_errors, check_replicas, check_exact_vs_horovod, check_unused_branch,
             check_broadcast],
     "three": [check_replicas, check_exact_vs_horovod, check_unused_branch],
+    "four": [check_replicas],
 }
 
 

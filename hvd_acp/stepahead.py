@@ -1,0 +1,204 @@
+"""Step-ahead error feedback: each rank computes its gradient where its
+residual will take the weights.
+
+ACP-SGD projects each step's gradient onto a basis found from the previous
+step. At a large learning rate with momentum the part that basis misses
+waits in the error-feedback residual ``E`` and comes back steps later,
+amplified by momentum: the method diverges where S-SGD trains (see
+docs/convergence.md, "Why ACP-SGD diverged"). Computing the gradient at
+``w - a * D_i`` instead of ``w``, where ``D_i`` is how far this rank's
+residual ``E_i`` will eventually move the weights once it is paid (through
+the learning rate and momentum: :func:`eventual_step`; see
+:func:`.compression.step_ahead_shift`), lets the gradient see what the owed
+residual will do, which removes the late feedback at no communication cost.
+
+What a user sees: between ``optimizer.step()`` and the next forward pass
+the parameters hold the true weights, identical on every rank, so
+evaluation, checkpoints and broadcasts are unchanged. The shift is applied
+by a module forward pre-hook at the first forward pass in training mode
+with gradients enabled after a step, and removed at the start of the next
+``step()``, before the wrapped optimizer updates the true weights.
+:meth:`StepAhead.true_weights` gives the true weights in the window between
+a training forward and ``step()``.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import weakref
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+from torch.nn.modules.module import register_module_forward_pre_hook
+
+from .compression import step_ahead_shift
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StepAhead"]
+
+
+def _adaptive_denom(state: dict, group: dict) -> Optional[Tensor]:
+    """Adam-style ``sqrt(v_hat) + eps`` of a parameter, or None for SGD-like updates."""
+    exp_avg_sq = state.get("exp_avg_sq")
+    if exp_avg_sq is None or "betas" not in group:
+        return None
+    step = float(state.get("step", 0))
+    if step <= 0:
+        return None
+    bias_correction2 = 1.0 - group["betas"][1] ** step
+    return (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(group.get("eps", 1e-8))
+
+
+def eventual_step(group: dict, adaptive: bool) -> float:
+    """How far one unit of gradient eventually moves a weight, over all later steps.
+
+    Plain SGD: ``lr``. SGD with momentum ``beta`` and dampening ``d``: the
+    momentum buffer keeps re-applying it, ``lr * (1 - d) / (1 - beta)`` in
+    all. Adam-family updates (``adaptive``): ``lr`` (per element divided by
+    ``sqrt(v_hat) + eps``, which the caller applies), since their first
+    moment is an average, not a sum.
+    """
+    lr = float(group["lr"])
+    if adaptive:
+        return lr
+    momentum = float(group.get("momentum", 0.0) or 0.0)
+    if not 0.0 <= momentum < 1.0:
+        return lr
+    return lr * (1.0 - float(group.get("dampening", 0.0) or 0.0)) / (1.0 - momentum)
+
+
+class StepAhead:
+    """Applies and removes the step-ahead shift of the compressed parameters.
+
+    Args:
+        reducer: the :class:`~hvd_acp.reducer.ACPReducer` whose residuals
+            (``reducer.errors``) and parameters are shifted.
+        optimizer: the wrapped torch optimizer (learning rates, and Adam's
+            second moments for the adaptive shift).
+        step_ahead: ``a``; 0 switches the mechanism off.
+    """
+
+    def __init__(self, reducer, optimizer: torch.optim.Optimizer, step_ahead: float):
+        self.reducer = reducer
+        self.optimizer = optimizer
+        self.step_ahead = float(step_ahead)
+        #: A shift is owed before the next training forward pass.
+        self.pending = False
+        #: name -> (true weights, parameter version after the shift was written).
+        self._applied: Dict[str, Tuple[Tensor, int]] = {}
+        self._anchors: Dict[str, Tensor] = {}
+        self._handle = None
+        if self.step_ahead:
+            ref = weakref.ref(self)
+
+            def before_forward(module, args):
+                this = ref()
+                if this is not None and this.pending and module.training \
+                        and torch.is_grad_enabled():
+                    this.apply()
+
+            self._handle = register_module_forward_pre_hook(before_forward)
+
+    @property
+    def active(self) -> bool:
+        """Whether the parameters hold shifted weights now."""
+        return bool(self._applied)
+
+    def close(self) -> None:
+        """Remove the forward pre-hook (after restoring the true weights)."""
+        self.restore(warn=False)
+        self.pending = False
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def after_step(self) -> None:
+        """Called once the true weights were updated: shift before the next forward."""
+        self.pending = bool(self.step_ahead) and bool(self.reducer.errors)
+
+    def _groups(self) -> Dict[int, Tuple[dict, dict]]:
+        found = {}
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                found[id(param)] = (group, self.optimizer.state.get(param, {}))
+        return found
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        """Shift every compressed parameter by ``a`` times where its residual leads.
+
+        The shift is ``a * eventual_step * E`` (see :func:`eventual_step`),
+        with ``E`` this rank's residual in applied-gradient units.
+        """
+        self.pending = False
+        if self._applied:
+            return
+        share = self.reducer._share()
+        groups = self._groups()
+        for name, error in self.reducer.errors.items():
+            param = self.reducer.params[name]
+            if not param.requires_grad or id(param) not in groups:
+                continue
+            group, state = groups[id(param)]
+            denom = _adaptive_denom(state, group)
+            scale = eventual_step(group, adaptive=denom is not None)
+            if not scale:
+                continue
+            if denom is not None:
+                denom = denom.reshape(error.shape).to(error.dtype)
+            shift = step_ahead_shift(error, scale, self.step_ahead, share, denom)
+            anchor = self._anchors.get(name)
+            if anchor is None:
+                anchor = self._anchors[name] = torch.empty_like(param)
+            anchor.copy_(param)
+            param.sub_(shift.view(param.shape).to(param.dtype))
+            self._applied[name] = (anchor, param._version)
+
+    @torch.no_grad()
+    def restore(self, warn: bool = True) -> None:
+        """Put the true weights back (bit for bit) where the shift was applied.
+
+        A parameter written by the user after the shift (its version moved)
+        keeps the user's value: that write wins.
+        """
+        for name, (anchor, version) in self._applied.items():
+            param = self.reducer.params[name]
+            if param._version == version:
+                param.copy_(anchor)
+            elif warn:
+                logger.warning(
+                    "parameter %r was modified between the forward pass and step(); "
+                    "its step-ahead shift was not removed. Modify parameters only "
+                    "between step() and the next forward pass, or inside "
+                    "optimizer.true_weights()", name)
+        self._applied.clear()
+
+    @contextlib.contextmanager
+    def true_weights(self):
+        """Within this context the parameters hold the true weights.
+
+        Parameters written inside keep the written value as their true
+        weights; the others get their shift back on exit.
+        """
+        saved = dict(self._applied)
+        versions = {}
+        with torch.no_grad():
+            for name, (anchor, version) in saved.items():
+                param = self.reducer.params[name]
+                shifted = param.detach().clone()
+                param.copy_(anchor)
+                versions[name] = (param._version, shifted)
+        self._applied.clear()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, (anchor, _) in saved.items():
+                    param = self.reducer.params[name]
+                    version, shifted = versions[name]
+                    if param._version == version:
+                        param.copy_(shifted)
+                        self._applied[name] = (anchor, param._version)
