@@ -31,6 +31,12 @@ clean:
 compare: install
 	$(PY) scripts/compare.py --np $(NP)
 
+# The robustness grid (about an hour): digits CNN, every method over 2/4/8
+# ranks, batch 32/128 per rank, momentum 0 / 0.9 / Nesterov, 3 seeds.
+.PHONY: grid
+grid: install
+	$(PY) scripts/compare.py --tasks grid
+
 # A few steps of every method on a small model, 2 ranks, localhost (no emulation).
 bench-smoke: install
 	OMP_NUM_THREADS=1 $(PY) -m hvd_acp.bench --model small --np $(NP) --steps 3 --warmup 2 \

@@ -17,7 +17,13 @@ Tasks:
   per seed in ``--lm-seeds``, plus the ACP-SGD setting that closes the gap
   to S-SGD;
 - ``lm-sweep`` (not run by default, about 20 minutes): the learning rates,
-  matrix ranks and warm-up lengths behind that setting.
+  matrix ranks and warm-up lengths behind that setting;
+- ``grid`` (not run by default, about an hour: ``make grid``): the
+  robustness grid of the digits CNN, every method over np in {2, 4, 8},
+  per-rank batch in {32, 128} and momentum in {0, 0.9, Nesterov 0.9}, with
+  Horovod's linear learning-rate scaling (0.025 per 32 images of a rank,
+  times the number of ranks), for every seed in ``--seeds``: a table and
+  heat maps of final accuracy and of ACP-SGD's gap to S-SGD.
 
 Runs are interleaved by seed (all methods for seed 0, then seed 1, ...) so
 that a change in the machine's load hits every method alike. Each run writes
@@ -57,6 +63,8 @@ class Run:
     optimizer: str
     seed: int
     args: Tuple[str, ...] = ()
+    #: Ranks of this run (None: ``--np``).
+    np: Optional[int] = None
 
     @property
     def key(self) -> str:
@@ -105,6 +113,34 @@ def lm_sweep_runs() -> List[Run]:
     return runs
 
 
+#: The robustness grid (task ``grid``): ranks, per-rank batch sizes, momentum settings.
+GRID_NP = (2, 4, 8)
+GRID_BATCH = (32, 128)
+GRID_MOMENTUM = (("momentum 0", ("--momentum", "0")), ("momentum 0.9", ()),
+                 ("Nesterov 0.9", ("--nesterov",)))
+#: Per-rank learning rate for 32 images; scaled linearly with the batch
+#: (the example multiplies it by the number of ranks).
+GRID_LR_PER_32 = 0.025
+
+
+def grid_cell(np: int, batch: int, momentum: str) -> str:
+    return f"np {np}, batch {batch}, {momentum}"
+
+
+def grid_runs(seeds: Sequence[int]) -> List[Run]:
+    runs = []
+    for np in GRID_NP:
+        for batch in GRID_BATCH:
+            lr = GRID_LR_PER_32 * batch / 32
+            for momentum, flags in GRID_MOMENTUM:
+                cell = grid_cell(np, batch, momentum)
+                extra = ("--batch-size", str(batch), "--lr", f"{lr:g}", *flags)
+                for seed in seeds:
+                    runs += [Run(f"{label} | {cell}", opt, seed, extra + more, np)
+                             for label, opt, more in METHODS]
+    return runs
+
+
 def make_tasks(args) -> List[Task]:
     tasks = []
     digits_runs = [Run(label, opt, seed, extra) for seed in args.seeds
@@ -127,13 +163,17 @@ def make_tasks(args) -> List[Task]:
             tasks.append(Task("lm-sweep", "train_lm.py",
                               "Closing the gap on the LM: learning rate, matrix rank, "
                               "warm-up", lm_sweep_runs()))
+    if "grid" in args.tasks:
+        tasks.append(Task("grid", "train.py",
+                          "Robustness grid: digits CNN with Horovod's learning-rate scaling",
+                          grid_runs(args.seeds)))
     return tasks
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--np", type=int, default=2, help="ranks (default: %(default)s)")
-    parser.add_argument("--tasks", nargs="+", choices=("digits", "digits-link", "lm", "lm-sweep"),
+    parser.add_argument("--tasks", nargs="+", choices=("digits", "digits-link", "lm", "lm-sweep", "grid"),
                         default=["digits", "digits-link", "lm"], help="(default: %(default)s)")
     parser.add_argument("--bandwidth", default="100mbit",
                         help="link of each rank in the digits-link task, e.g. 100mbit, 1gbit "
@@ -184,6 +224,7 @@ def command(task: Task, run: Run, np: int, summary: Path) -> List[str]:
     ranks themselves (see :func:`launch_on_link`)."""
     if task.link:
         return training_argv(task, run, summary)
+    np = run.np or np
     launcher = Path(sys.executable).with_name("horovodrun")
     return [_rel(launcher), "-np", str(np), "-H", f"localhost:{np}", "--gloo",
             *training_argv(task, run, summary)]
@@ -483,8 +524,127 @@ def seed_means(found: Dict[Run, dict]) -> List[str]:
     return out
 
 
+def grid_table(found: Dict[Run, dict]) -> Dict[str, Dict[str, List[float]]]:
+    """{cell: {method label: final test accuracies (%) over seeds}}."""
+    table: Dict[str, Dict[str, List[float]]] = {}
+    for run, summary in sorted(found.items(), key=lambda kv: kv[0].seed):
+        method, _, cell = run.label.partition(" | ")
+        table.setdefault(cell, {}).setdefault(method, []).append(
+            100 * summary["test_accuracy"])
+    return table
+
+
+#: Targets of the grid: where S-SGD reaches GRID_ELIGIBLE, ACP-SGD's mean is
+#: within GRID_MEAN_GAP points and no seed is more than GRID_SEED_GAP below.
+GRID_ELIGIBLE, GRID_MEAN_GAP, GRID_SEED_GAP = 95.0, 1.0, 3.0
+
+
+def grid_verdict(accs: Dict[str, List[float]]) -> str:
+    ssgd, acp = accs.get("S-SGD"), accs.get("ACP-SGD")
+    if not ssgd or not acp:
+        return "–"
+    reference = statistics.fmean(ssgd)
+    if reference < GRID_ELIGIBLE:
+        return f"exempt (S-SGD < {GRID_ELIGIBLE:g}%)"
+    ok = (statistics.fmean(acp) >= reference - GRID_MEAN_GAP
+          and min(acp) >= reference - GRID_SEED_GAP)
+    return "met" if ok else "**missed**"
+
+
+def grid_section(task: Task, found, args) -> List[str]:
+    table = grid_table(found)
+    methods = [label for label, _, _ in METHODS]
+    out = ["| cell (ranks, per-rank batch, momentum) | lr × ranks | "
+           + " | ".join(f"{m}: mean (per seed)" for m in methods)
+           + " | ACP-SGD − S-SGD (points) | worst ACP-SGD seed − S-SGD mean | target |",
+           "|---|---:|" + "---|" * len(methods) + "---:|---:|---|"]
+    verdicts = []
+    for run in task.runs:
+        method, _, cell = run.label.partition(" | ")
+        if cell not in table or method != methods[0] or run.seed != task.runs[0].seed:
+            continue
+        accs = table[cell]
+        cells = []
+        for m in methods:
+            values = accs.get(m, [])
+            cells.append(f"{statistics.fmean(values):.2f} ({', '.join(f'{v:.1f}' for v in values)})"
+                         if values else "–")
+        gap = worst = "–"
+        if accs.get("S-SGD") and accs.get("ACP-SGD"):
+            reference = statistics.fmean(accs["S-SGD"])
+            gap = f"{statistics.fmean(accs['ACP-SGD']) - reference:+.2f}"
+            worst = f"{min(accs['ACP-SGD']) - reference:+.2f}"
+        verdict = grid_verdict(accs)
+        verdicts.append(verdict)
+        lr = run.np * float(run.flag("--lr"))
+        out.append(f"| {cell} | {lr:g} | " + " | ".join(cells) + f" | {gap} | {worst} | {verdict} |")
+    eligible = [v for v in verdicts if not v.startswith("exempt") and v != "–"]
+    met = sum(v == "met" for v in eligible)
+    out += ["", f"Cells where S-SGD reaches {GRID_ELIGIBLE:g}%: {len(eligible)} of "
+            f"{len(verdicts)}; ACP-SGD within {GRID_MEAN_GAP:g} point of S-SGD's mean with no "
+            f"seed more than {GRID_SEED_GAP:g} points below it: **{met} of {len(eligible)}**.\n"]
+    picture = args.img / "robustness_grid.png"
+    plot_grid(table, [run.label.partition(" | ")[2] for run in task.runs
+                      if run.label.startswith(methods[0] + " | ")
+                      and run.seed == task.runs[0].seed], methods, picture)
+    out.append(f"![{task.title}]({os.path.relpath(picture, args.doc.parent)})\n")
+    return out
+
+
+def plot_grid(table: Dict[str, Dict[str, List[float]]], cells: List[str],
+              methods: List[str], path: Path) -> None:
+    """Heat maps: each method's mean final accuracy, and ACP-SGD minus S-SGD."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rows = [c for c in dict.fromkeys(", ".join(c.split(", ")[:2]) for c in cells)]
+    cols = [c for c in dict.fromkeys(c.split(", ", 2)[2] for c in cells)]
+
+    def grid_of(fn):
+        values = np.full((len(rows), len(cols)), np.nan)
+        for i, row in enumerate(rows):
+            for j, col in enumerate(cols):
+                accs = table.get(f"{row}, {col}", {})
+                value = fn(accs)
+                if value is not None:
+                    values[i, j] = value
+        return values
+
+    def mean_of(method):
+        return lambda accs: statistics.fmean(accs[method]) if accs.get(method) else None
+
+    def gap(accs):
+        if accs.get("S-SGD") and accs.get("ACP-SGD"):
+            return statistics.fmean(accs["ACP-SGD"]) - statistics.fmean(accs["S-SGD"])
+        return None
+
+    panels = [(f"{m}: mean final test accuracy (%)", grid_of(mean_of(m)), "viridis", (10, 100))
+              for m in methods]
+    panels.append(("ACP-SGD minus S-SGD (points)", grid_of(gap), "RdBu", (-10, 10)))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 0.6 * len(rows) + 2.2))
+    for ax, (title, values, cmap, (low, high)) in zip(axes, panels):
+        image = ax.imshow(values, cmap=cmap, vmin=low, vmax=high, aspect="auto")
+        ax.set_xticks(range(len(cols)), cols, rotation=20)
+        ax.set_yticks(range(len(rows)), rows)
+        ax.set_title(title, fontsize=10)
+        for i in range(len(rows)):
+            for j in range(len(cols)):
+                if not np.isnan(values[i, j]):
+                    ax.text(j, i, f"{values[i, j]:.1f}", ha="center", va="center", fontsize=8,
+                            color=("white" if (abs(values[i, j]) > 6 if cmap == "RdBu"
+                                                 else values[i, j] < 60) else "black"))
+        fig.colorbar(image, ax=ax, shrink=0.8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 SECTIONS: Dict[str, Callable] = {"digits": digits_section, "digits-link": digits_section,
-                                 "lm": lm_section, "lm-sweep": lm_sweep_section}
+                                 "lm": lm_section, "lm-sweep": lm_sweep_section,
+                                 "grid": grid_section}
 
 
 def plot(found: Dict[Run, dict], metric: str, ylabel: str, scale: float, path: Path,
@@ -538,7 +698,8 @@ def section_text(task: Task, args) -> Optional[str]:
                  f"with Horovod's Gloo rendezvous as `horovodrun` sets it up on a cluster: "
                  f"{EmulatedNetwork(args.np, args.bandwidth_mbit).describe()}")
     else:
-        where = f"{args.np} ranks under `horovodrun --gloo` on localhost"
+        ranks = sorted({run.np or args.np for run in task.runs})
+        where = (f"{'/'.join(map(str, ranks))} ranks under `horovodrun --gloo` on localhost")
     lines = [f"## {task.title}\n",
              f"Generated by `{invocation}` on {datetime.date.today().isoformat()}: {where}; "
              f"one thread per rank, {os.cpu_count()} CPU cores "
