@@ -86,7 +86,7 @@ def optimizer_class(name: str):
 def distributed_optimizer(name: str, optimizer: torch.optim.Optimizer,
                           named_parameters: Iterable[Tuple[str, torch.Tensor]], *,
                           matrix_rank: int, warmup_steps: int, seed: int,
-                          step_ahead: Optional[float] = None):
+                          step_ahead: Optional[float] = None, diagnostics: bool = False):
     """Wrap ``optimizer`` for Horovod: the one line a user changes.
 
     ``ssgd`` is ``hvd.DistributedOptimizer(optimizer, named_parameters)``;
@@ -94,13 +94,23 @@ def distributed_optimizer(name: str, optimizer: torch.optim.Optimizer,
     """
     cls = optimizer_class(name)
     if name == "ssgd":
-        if warmup_steps or step_ahead is not None:
-            raise SystemExit("--warmup-steps and --step-ahead only apply to --optimizer acp "
-                             "or powersgd")
+        if warmup_steps or step_ahead is not None or diagnostics:
+            raise SystemExit("--warmup-steps, --step-ahead and --diagnostics only apply to "
+                             "--optimizer acp or powersgd")
         return cls(optimizer, named_parameters=named_parameters)
     extra = {} if step_ahead is None else {"step_ahead": step_ahead}
+    if diagnostics:
+        extra["diagnostics"] = True
     return cls(optimizer, named_parameters=named_parameters, matrix_rank=matrix_rank,
                warmup_steps=warmup_steps, seed=seed, **extra)
+
+
+def write_diagnostics(path: str, optimizer, step_losses) -> None:
+    """Rank 0's per-step error-feedback records, each with that step's training loss."""
+    records = [dict(record, train_loss=step_losses[record["step"]])
+               for record in optimizer.reducer.diagnostics if record["step"] < len(step_losses)]
+    with open(path, "w", encoding="utf-8") as out:
+        json.dump({"steps": records}, out, indent=1)
 
 
 # ------------------------------------------------------------------- metrics

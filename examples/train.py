@@ -26,7 +26,8 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 from common import (ByteMeter, DigitsCNN, add_common_args, allreduce_sums,
-                    distributed_optimizer, finish_run, load_digits_split, optimizer_class)
+                    distributed_optimizer, finish_run, load_digits_split, optimizer_class,
+                    write_diagnostics)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -35,6 +36,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_common_args(parser, matrix_rank=4, epochs=12, lr=0.025, batch_size=32)
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     parser.add_argument("--nesterov", action="store_true", help="Nesterov momentum")
+    parser.add_argument("--diagnostics", metavar="PATH",
+                        help="acp/powersgd: rank 0 writes the per-step health of the error "
+                             "feedback (hvd_acp.diagnostics) and the training loss to PATH")
     parser.add_argument("--weight-decay", type=float, default=1e-4, help="SGD weight decay")
     return parser.parse_args(argv)
 
@@ -77,10 +81,11 @@ def main(argv=None) -> dict:
     lr = args.lr * hvd.size()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
                                 nesterov=args.nesterov, weight_decay=args.weight_decay)
+    extra = {"diagnostics": True} if args.diagnostics else {}
     optimizer = distributed_optimizer(args.optimizer, optimizer, model.named_parameters(),
                                       matrix_rank=args.matrix_rank,
                                       warmup_steps=args.warmup_steps, seed=args.seed,
-                                      step_ahead=args.step_ahead)
+                                      step_ahead=args.step_ahead, **extra)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     meter = ByteMeter(optimizer, model)
@@ -93,6 +98,7 @@ def main(argv=None) -> dict:
     history = {"test_accuracy": [], "test_loss": [], "train_loss": [], "step": [],
                "train_s": []}
     steps, train_s = 0, 0.0
+    step_losses = []
     start = time.perf_counter()
     for epoch in range(1, args.epochs + 1):
         sampler.set_epoch(epoch)
@@ -106,6 +112,7 @@ def main(argv=None) -> dict:
             loss.backward()
             optimizer.step()
             steps += 1
+            step_losses.append(loss.item())
             loss_sum += loss.item() * len(labels)
             count += len(labels)
         train_s += time.perf_counter() - epoch_start
@@ -122,6 +129,8 @@ def main(argv=None) -> dict:
                   f"{history['train_loss'][-1]:.4f}  test loss {test['loss']:.4f}  "
                   f"test accuracy {100 * test['accuracy']:.2f}%", flush=True)
     wall_s = time.perf_counter() - start
+    if args.diagnostics and is_root:
+        write_diagnostics(args.diagnostics, optimizer, step_losses)
 
     return finish_run(
         args, meter, history, steps, wall_s, train_s,

@@ -9,16 +9,18 @@ P step (``Q`` from the previous step is orthonormalized into ``Qh``)::
 
     A   = M + E
     P_i = A @ Qh                      # sent: n * r elements
+    E   = A - P_i @ Qh.T              # this rank's residual (local_residual_)
     G   = mean_i(P_i) @ Qh.T          # gradient handed to the optimizer
-    E   = A - G                       # residual (see feedback_)
 
 The Q step is the same computation on the transposed matrices with the roles
-of the factors swapped, which is why one function, :func:`compress_`, serves
-both: the caller passes ``M.T`` / ``E.T`` views and ``Ph`` for a Q step.
+of the factors swapped, which is why the same functions serve both: the
+caller passes ``M.T`` / ``E.T`` views and ``Ph`` for a Q step.
 
-The residual is taken against the averaged gradient ``G`` rather than this
-rank's own ``P_i @ Qh.T``: the same trajectory (see :func:`feedback_`) for
-one subtraction per step instead of one rank-r product.
+The residual is this rank's own unsent part (the paper's form), computed in
+the backward hook without waiting for the all-reduce. It is what the rank
+still owes the model, which step-ahead error feedback
+(:func:`step_ahead_shift`) relies on; at full rank it is zero, so ACP-SGD
+is then exactly S-SGD.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ __all__ = [
     "orthonormalize_",
     "project_",
     "compress_",
-    "feedback_",
+    "local_residual_",
     "reconstruct_",
     "init_factor",
     "step_ahead_shift",
@@ -162,8 +164,8 @@ def compress_(grad: Optional[Tensor], error: Tensor, basis: Tensor, out: Tensor)
         grad: shape (a, b), this rank's gradient matrix (``M`` for a P step,
             ``M.T`` for a Q step); ``None`` for a zero gradient.
         error: shape (a, b), the residual ``E`` (or ``E.T``); modified in
-            place to hold ``A = grad + error``, until :func:`feedback_`
-            subtracts the applied gradient once the all-reduce is done.
+            place to hold ``A = grad + error``, until :func:`local_residual_`
+            subtracts what this rank sends.
         basis: shape (b, r), orthonormal columns (``Qh`` or ``Ph``).
         out: shape (a, r), receives ``A @ basis``.
     """
@@ -172,28 +174,25 @@ def compress_(grad: Optional[Tensor], error: Tensor, basis: Tensor, out: Tensor)
     project_(error, basis, out)
 
 
-def feedback_(error: Tensor, applied: Tensor, share: float = 1.0) -> None:
-    """``E = A - share * G``: the residual against the applied gradient.
+def local_residual_(error: Tensor, factor: Tensor, basis: Tensor) -> None:
+    """``E = A - factor @ basis.T``: what this rank's factor does not carry.
 
     Args:
-        error: shape (n, m), holds ``A`` (see :func:`compress_`); modified
+        error: shape (a, b), holds ``A`` (see :func:`compress_`); modified
             in place.
-        applied: shape (n, m), the gradient ``G`` every rank applies.
-        share: the part of ``G`` that counts as this rank's: 1 when the
-            all-reduce averages, ``1 / N`` when it sums over N ranks.
+        factor: shape (a, r), this rank's factor ``A @ basis`` before the
+            all-reduce (``P_i``, or ``Q_i`` for a Q step on ``E.T``).
+        basis: shape (b, r), the basis it was projected on.
 
-    The paper's residual ``A - P_i @ Qh.T`` uses this rank's own factor
-    instead. The two differ rank by rank, but their sum over ranks is the
-    same, and the sum is all that later steps see (every factor is an
-    average, linear in the residuals), so the training trajectory is the
-    same; this form costs one subtraction instead of one rank-r product and
-    its residual also absorbs the rounding of a compressed wire format. It
-    is the error feedback of Power-SGD (Vogels et al.) and of PyTorch's
-    ``powerSGD_hook``. Each rank's residual then also carries its running
-    deviation from the average, which cancels over ranks and never reaches
-    ``G``.
+    Each rank keeps its own unsent part, whatever the reduction (average or
+    sum): the identity ``M + E_before == factor @ basis.T + E_after`` holds
+    per rank. The sum over ranks is what later factors see, and what a
+    residual taken against the averaged gradient would give too; the rank's
+    own part is what step-ahead error feedback needs, and it is bounded by
+    the projection (zero at full rank), where a residual against the
+    average also accumulates the rank's deviation from the mean.
     """
-    error.sub_(applied, alpha=share)
+    error.addmm_(factor, basis.t(), alpha=-1)
 
 
 def reconstruct_(target: Tensor, left: Tensor, right: Tensor) -> None:
@@ -221,12 +220,13 @@ def step_ahead_shift(error: Tensor, lr: float, step_ahead: float, share: float =
     into an oscillation at a large learning rate.
 
     Args:
-        error: shape (n, m), this rank's residual ``E`` (``A - share * G``).
+        error: shape (n, m), this rank's residual ``E`` (see
+            :func:`local_residual_`).
         lr: the learning rate of the parameter's group.
         step_ahead: ``a``, the multiple of one step's worth of ``E``.
-        share: this rank's part of the all-reduced result (see
-            :func:`feedback_`): ``E / share`` is the residual in the units of
-            the applied gradient (``N * E`` when the all-reduce sums).
+        share: this rank's part of an all-reduced result (1 when it
+            averages, ``1 / N`` when it sums over N ranks): ``E / share`` is
+            the residual in the units of the applied gradient.
         denom: optional, shape (n, m): an adaptive optimizer's per-element
             divisor (Adam's ``sqrt(v_hat) + eps``), so that the shift is the
             step the optimizer would take for ``E``.

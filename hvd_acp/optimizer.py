@@ -83,6 +83,11 @@ class DistributedOptimizer(_LocalStep):
             :mod:`hvd_acp.stepahead` and docs/convergence.md). The parameters
             hold the true weights between ``step()`` and the next training
             forward pass. 0 switches it off.
+        diagnostics: record the per-step health of the error feedback
+            (residual against gradient, share the projection keeps, turn of
+            the subspace) in ``optimizer.reducer.diagnostics``; see
+            :mod:`hvd_acp.diagnostics`. Off by default (it costs a few
+            passes over every gradient).
         communicator: a :class:`~hvd_acp.comm.Communicator`; defaults to
             Horovod. Tests pass a ``LocalCommunicator``.
     """
@@ -99,7 +104,7 @@ class DistributedOptimizer(_LocalStep):
                  matrix_rank: int = 4,
                  fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD_BYTES,
                  min_compression_rate: float = 2.0, warmup_steps: int = 0, seed: int = 0,
-                 step_ahead: float = DEFAULT_STEP_AHEAD,
+                 step_ahead: float = DEFAULT_STEP_AHEAD, diagnostics: bool = False,
                  communicator: Optional[Communicator] = None):
         # Deliberately not calling Optimizer.__init__: param_groups, state and
         # defaults are forwarded to the wrapped optimizer (properties below).
@@ -159,7 +164,8 @@ class DistributedOptimizer(_LocalStep):
             fusion_threshold_bytes=fusion_threshold_bytes,
             min_compression_rate=min_compression_rate, warmup_steps=warmup_steps, seed=seed,
             backward_passes_per_step=backward_passes_per_step, groups=explicit_groups,
-            sparse_as_dense=sparse_as_dense, name_prefix=self.name_prefix)
+            sparse_as_dense=sparse_as_dense, name_prefix=self.name_prefix,
+            diagnostics=bool(diagnostics))
         self._step_ahead = StepAhead(self._reducer, optimizer, step_ahead)
         self.backward_passes_per_step = backward_passes_per_step
         self._synchronized = False

@@ -6,8 +6,8 @@ Per step and compressed parameter (Vogels et al., 2019), with warm start::
     P_i = A @ Q                       # all-reduce 1 (launched from the hooks)
     Ph  = orth(mean_i P_i)
     Q_i = A.T @ Ph                    # all-reduce 2 (needs all-reduce 1)
+    E   = A - Ph @ Q_i.T              # this rank's unsent part, before all-reduce 2
     G   = Ph @ mean_i(Q_i).T
-    E   = A - G
 
 Two dependent all-reduces per step, and ``(n + m) * r`` elements on the wire
 instead of ACP-SGD's ``n * r`` or ``m * r``. Everything else (hooks, fused
@@ -20,7 +20,8 @@ from typing import Optional
 
 from torch import Tensor
 
-from .compression import Phase, compress_, feedback_, orthonormalize_, project_, reconstruct_
+from .compression import (Phase, compress_, local_residual_, orthonormalize_, project_,
+                          reconstruct_)
 from .optimizer import DistributedOptimizer
 from .reducer import ACPReducer, _Round
 
@@ -73,8 +74,9 @@ class PowerSGDReducer(ACPReducer):
         buckets, buffers = self._plan(Phase.Q, tuple(compressed))
         second = _Round(Phase.Q, buckets, buffers)
         for name in compressed:
-            project_(self.errors[name].t(), self.p_factors[name],
-                     self._slot_view(second, name))           # Q_i = A^T Ph
+            q_local = self._slot_view(second, name)
+            project_(self.errors[name].t(), self.p_factors[name], q_local)   # Q_i = A^T Ph
+            local_residual_(self.errors[name].t(), q_local, self.p_factors[name])
         handles = [self.comm.allreduce_async_(buf, b.name) for b, buf in zip(buckets, buffers)]
         waited = time.perf_counter()
         for handle in handles:
@@ -90,8 +92,6 @@ class PowerSGDReducer(ACPReducer):
                 q = self.q_factors[name].copy_(q)             # warm start of the next step
             matrix, direct = self._grad_target(lay, param)
             reconstruct_(matrix, self.p_factors[name], q)     # G = Ph Q^T
-            if name not in nonfinite:
-                feedback_(self.errors[name], matrix, rnd.share)   # E = A - G
             if not direct:
                 param.grad.copy_(matrix.view(param.grad.shape))
         self.compression_seconds += time.perf_counter() - started

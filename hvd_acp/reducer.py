@@ -27,7 +27,8 @@ import torch
 from torch import Tensor
 
 from .comm import Communicator
-from .compression import (Phase, compress_, compute_dtype, feedback_, init_factor,
+from .diagnostics import StepRecord, subspace_turn
+from .compression import (Phase, compress_, compute_dtype, init_factor, local_residual_,
                           orthonormalize_, reconstruct_)
 from .fusion import Bucket, TensorLayout, make_layouts, plan_buckets
 
@@ -36,14 +37,12 @@ logger = logging.getLogger(__name__)
 STATE_FORMAT_VERSION = 1
 
 
+
 class _Round:
     """Bookkeeping of one communication round (one optimizer step)."""
 
-    def __init__(self, phase: Phase, buckets: List[Bucket], buffers: List[Tensor],
-                 share: float = 1.0):
+    def __init__(self, phase: Phase, buckets: List[Bucket], buffers: List[Tensor]):
         self.phase = phase
-        #: This rank's part of an all-reduced result (see ACPReducer._share).
-        self.share = share
         self.buckets = buckets
         self.buffers = buffers
         self.where: Dict[str, Tuple[int, int]] = {}
@@ -71,6 +70,8 @@ class ACPReducer:
         groups: optional explicit fusion groups, lists of parameter names.
         sparse_as_dense: densify sparse gradients instead of raising.
         name_prefix: first component of the all-reduce names.
+        diagnostics: record one :class:`~hvd_acp.diagnostics.StepRecord` per
+            step in :attr:`diagnostics` (costs a few passes per gradient).
     """
 
     def __init__(self, named_parameters: Sequence[Tuple[str, Tensor]],
@@ -79,7 +80,8 @@ class ACPReducer:
                  warmup_steps: int = 0, seed: int = 0,
                  backward_passes_per_step: int = 1,
                  groups: Optional[Sequence[Sequence[str]]] = None,
-                 sparse_as_dense: bool = False, name_prefix: str = "hvd_acp"):
+                 sparse_as_dense: bool = False, name_prefix: str = "hvd_acp",
+                 diagnostics: bool = False):
         self.params: Dict[str, Tensor] = dict(named_parameters)
         self.comm = communicator
         self.matrix_rank = matrix_rank
@@ -95,6 +97,10 @@ class ACPReducer:
         self.compression_seconds = 0.0
         #: Steps whose averaged payload was non-finite (state repaired).
         self.nonfinite_steps = 0
+        #: Per-step records (dicts, see hvd_acp.diagnostics) when enabled.
+        self.diagnostics: Optional[List[dict]] = [] if diagnostics else None
+        self._record: Optional[StepRecord] = None
+        self._previous_bases: Dict[Tuple[Phase, str], Tensor] = {}
 
         devices = {p.device for p in self.params.values()}
         if len(devices) > 1:
@@ -159,7 +165,18 @@ class ACPReducer:
             started = time.perf_counter()
             orthonormalize_(self._bases[name] for name in source)
             self.compression_seconds += time.perf_counter() - started
+            if self.diagnostics is not None:
+                self._record_bases(phase, source)
         self._bases_phase = phase
+
+    def _record_bases(self, phase: Phase, names) -> None:
+        self._record = StepRecord(self.step_count, phase.value)
+        for name in names:
+            basis = self._bases[name]
+            previous = self._previous_bases.get((phase, name))
+            if previous is not None:
+                self._record.turns.append(subspace_turn(basis, previous))
+            self._previous_bases[(phase, name)] = basis.clone()
 
     # ------------------------------------------------------------------ hooks
     def register_hooks(self) -> None:
@@ -243,8 +260,7 @@ class ACPReducer:
             self.register_hooks()
             self._prepare_bases()
             phase = self._round_phase()
-            self._round = _Round(phase, *self._plan(phase, self._active_names()),
-                                 share=self._share())
+            self._round = _Round(phase, *self._plan(phase, self._active_names()))
         return self._round
 
     def _slot_view(self, rnd: _Round, name: str) -> Tensor:
@@ -291,12 +307,13 @@ class ACPReducer:
             matrix: shape (n, m), the gradient, or None for a zero gradient.
             out: shape (n, r) for P, (m, r) for Q; a view into a fused buffer.
         """
-        # The residual holds A = M + E until _write_grad subtracts G.
         error, basis = self.errors[name], self._bases[name]
-        if phase is Phase.P:
-            compress_(matrix, error, basis, out)
-        else:
-            compress_(None if matrix is None else matrix.t(), error.t(), basis, out)
+        if phase is Phase.Q:
+            matrix, error = (None if matrix is None else matrix.t()), error.t()
+        compress_(matrix, error, basis, out)          # A = M + E, out = A B
+        if self._record is not None:
+            self._record.add_compressed(matrix, error, out)
+        local_residual_(error, out, basis)            # E = A - out B^T
 
     def synchronize(self) -> None:
         """Finish the round: all-reduce everything, write ``p.grad``, flip phase.
@@ -315,6 +332,9 @@ class ACPReducer:
         self._round = None
         for name in self._passes:
             self._passes[name] = 0
+        if self._record is not None:
+            self.diagnostics.append(self._record.as_dict())
+            self._record = None
         self.step_count += 1
         self.register_hooks()
 
@@ -383,8 +403,8 @@ class ACPReducer:
         """Write the averaged gradient of ``name`` into ``p.grad``.
 
         With ``commit`` the averaged factor becomes the state reused by the
-        next step and the residual becomes ``A - G``; without (a non-finite
-        round, whose residuals were reset) the state is left alone.
+        next step; without (a non-finite round, whose residuals were reset)
+        the factor is left alone.
         """
         lay, param = self.layouts[name], self.params[name]
         averaged = self._slot_view(rnd, name)
@@ -399,8 +419,8 @@ class ACPReducer:
                 reconstruct_(matrix, factor, basis)         # G = P Qh^T
             else:
                 reconstruct_(matrix, basis, factor)         # G = Ph Q^T
-            if commit:
-                feedback_(self.errors[name], matrix, rnd.share)   # E = A - G
+            if self._record is not None:
+                self._record.add_feedback(matrix, self.errors[name])
             if not direct:
                 param.grad.copy_(matrix.view(param.grad.shape))
         else:
@@ -408,7 +428,7 @@ class ACPReducer:
                 param.grad = torch.empty_like(param, memory_format=torch.contiguous_format)
             param.grad.copy_(averaged.view(param.grad.shape))
 
-    def _share(self) -> float:
+    def share(self) -> float:
         """This rank's part of an all-reduced result (1 when it is the average)."""
         return 1.0 / (self.comm.size() * self.comm.reduction_weight())
 

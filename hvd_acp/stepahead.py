@@ -15,8 +15,8 @@ residual will do, which removes the late feedback at no communication cost.
 What a user sees: between ``optimizer.step()`` and the next forward pass
 the parameters hold the true weights, identical on every rank, so
 evaluation, checkpoints and broadcasts are unchanged. The shift is applied
-by a module forward pre-hook at the first forward pass in training mode
-with gradients enabled after a step, and removed at the start of the next
+by a module forward pre-hook at the first forward pass, in training mode
+with gradients enabled, of a module that holds the parameters after a step, and removed at the start of the next
 ``step()``, before the wrapped optimizer updates the true weights.
 :meth:`StepAhead.true_weights` gives the true weights in the window between
 a training forward and ``step()``.
@@ -91,16 +91,28 @@ class StepAhead:
         self._applied: Dict[str, Tuple[Tensor, int]] = {}
         self._anchors: Dict[str, Tensor] = {}
         self._handle = None
+        # Modules seen by the forward pre-hook: whether they hold one of our
+        # parameters (another model's forward must not shift ours).
+        self._owners: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = \
+            weakref.WeakKeyDictionary()
+        self._param_ids = {id(p) for p in reducer.params.values()}
         if self.step_ahead:
             ref = weakref.ref(self)
 
             def before_forward(module, args):
                 this = ref()
                 if this is not None and this.pending and module.training \
-                        and torch.is_grad_enabled():
+                        and torch.is_grad_enabled() and this._owns(module):
                     this.apply()
 
             self._handle = register_module_forward_pre_hook(before_forward)
+
+    def _owns(self, module: torch.nn.Module) -> bool:
+        owns = self._owners.get(module)
+        if owns is None:
+            owns = self._owners[module] = any(
+                id(p) in self._param_ids for p in module.parameters())
+        return owns
 
     @property
     def active(self) -> bool:
@@ -136,7 +148,7 @@ class StepAhead:
         self.pending = False
         if self._applied:
             return
-        share = self.reducer._share()
+        share = self.reducer.share()
         groups = self._groups()
         for name, error in self.reducer.errors.items():
             param = self.reducer.params[name]

@@ -3,8 +3,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from hvd_acp.compression import (Phase, compress_, compute_dtype, factor_rank, feedback_,
-                                 init_factor, matrix_shape, orthonormalize_, project_,
+from hvd_acp.compression import (Phase, compress_, compute_dtype, factor_rank, init_factor,
+                                 local_residual_, matrix_shape, orthonormalize_, project_,
                                  reconstruct_, should_compress)
 
 F64 = torch.float64
@@ -44,6 +44,7 @@ def _acp_steps(grads_per_step, n, m, r, check):
             local = [torch.empty(n, r, dtype=F64) for _ in range(world)]
             for g, e, out in zip(grads, errors, local):
                 compress_(g, e, basis, out)
+                local_residual_(e, out, basis)
             p_factor = torch.stack(local).mean(0)
             recon = [out @ basis.t() for out in local]
             reconstruct_(applied, p_factor, basis)
@@ -52,11 +53,10 @@ def _acp_steps(grads_per_step, n, m, r, check):
             local = [torch.empty(m, r, dtype=F64) for _ in range(world)]
             for g, e, out in zip(grads, errors, local):
                 compress_(g.t(), e.t(), basis, out)
+                local_residual_(e.t(), out, basis)
             q_factor = torch.stack(local).mean(0)
             recon = [basis @ out.t() for out in local]
             reconstruct_(applied, basis, q_factor)
-        for e in errors:
-            feedback_(e, applied)
         check(phase, grads, before, errors, recon, applied, basis)
 
 
@@ -67,9 +67,13 @@ def test_error_feedback_identity_holds_for_every_rank_and_step():
 
     def check(phase, grads, before, after, recon, applied, basis):
         phases.append(phase)
-        for g, e_before, e_after in zip(grads, before, after):
-            # M_i + E_i(before) == G + E_i(after), G the gradient every rank applies.
-            assert_close(g + e_before, applied + e_after)
+        for g, e_before, e_after, own in zip(grads, before, after, recon):
+            # M_i + E_i(before) == P_i Qh^T + E_i(after): this rank's own factor.
+            assert_close(g + e_before, own + e_after)
+        # Over ranks: the sum of the gradients plus residuals is N G plus the
+        # sum of the new residuals; nothing is lost or counted twice.
+        assert_close(sum(g + e for g, e in zip(grads, before)),
+                     len(grads) * applied + sum(after))
         # G is the average of the ranks' own reconstructions P_i Qh^T (Ph Q_i^T).
         assert_close(applied, torch.stack(recon).mean(0))
         # Low rank r < min(n, m): the residual cannot be zero.
@@ -79,39 +83,25 @@ def test_error_feedback_identity_holds_for_every_rank_and_step():
     assert phases == [Phase.P, Phase.Q] * 3
 
 
-def test_residual_against_the_average_follows_the_local_residual_trajectory():
-    """The residual of the paper (E_i = A_i - P_i Qh^T, each rank's own
-    factor) and ours (E_i = A_i - G) differ per rank, but their sums agree,
-    so every averaged factor and applied gradient is the same."""
-    n, m, r, world, steps = 6, 5, 2, 3, 8
-    grads = [[_randn(n, m, seed=100 * t + i) for i in range(world)] for t in range(steps)]
-    p_factor, q_factor = _randn(n, r, seed=100), _randn(m, r, seed=101)
-    errors = [torch.zeros(n, m, dtype=F64) for _ in range(world)]
-    expected = []
-    for step, step_grads in enumerate(grads):
-        a = [g + e for g, e in zip(step_grads, errors)]
-        if step % 2 == 0:
-            basis = _orthonormalized(q_factor)
-            local = [x @ basis for x in a]
-            p_factor = torch.stack(local).mean(0)
-            errors = [x - f @ basis.t() for x, f in zip(a, local)]
-            expected.append(p_factor @ basis.t())
-        else:
-            basis = _orthonormalized(p_factor)
-            local = [x.t() @ basis for x in a]
-            q_factor = torch.stack(local).mean(0)
-            errors = [x - basis @ f.t() for x, f in zip(a, local)]
-            expected.append(basis @ q_factor.t())
-    seen = []
-    _acp_steps(grads, n, m, r, lambda *args: seen.append((args[5].clone(), args[3])))
-    for step, ((applied, ours), paper) in enumerate(zip(seen, expected)):
-        assert_close(applied, paper, atol=1e-10, rtol=1e-10)
-    # The residuals themselves differ rank by rank; only their sum is shared.
-    assert_close(torch.stack(ours).sum(0), torch.stack(errors).sum(0), atol=1e-10, rtol=1e-10)
-    assert (ours[0] - errors[0]).abs().max() > 1e-3
+def test_local_residual_is_orthogonal_to_the_basis_and_zero_at_full_rank():
+    n, m, r = 6, 5, 2
+    accumulated = _randn(n, m, seed=7)
+    basis = _orthonormalized(_randn(m, r, seed=8))
+    error, out = accumulated.clone(), torch.empty(n, r, dtype=F64)
+    compress_(None, error, basis, out)
+    local_residual_(error, out, basis)
+    assert_close(error @ basis, torch.zeros(n, r, dtype=F64), atol=1e-12, rtol=0)
+    assert_close(error, accumulated - accumulated @ basis @ basis.t())
+    # Full rank (square orthogonal basis): nothing is left behind, so each
+    # rank's residual stays zero and ACP-SGD is exactly S-SGD.
+    square = _orthonormalized(_randn(m, m, seed=9))
+    error, out = accumulated.clone(), torch.empty(n, m, dtype=F64)
+    compress_(None, error, square, out)
+    local_residual_(error, out, square)
+    assert error.abs().max() < 1e-12
 
 
-def test_compress_keeps_the_accumulated_gradient_until_feedback():
+def test_compress_keeps_the_accumulated_gradient_until_the_residual():
     n, m, r = 6, 4, 2
     error = _randn(n, m, seed=1)
     grad = _randn(n, m, seed=3)
@@ -126,9 +116,8 @@ def test_compress_keeps_the_accumulated_gradient_until_feedback():
     compress_(None, error, basis, out)
     assert_close(error, before)
     assert_close(out, before @ basis)
-    applied = out @ basis.t()
-    feedback_(error, applied)
-    assert_close(error, before - applied)
+    local_residual_(error, out, basis)
+    assert_close(error, before - out @ basis.t())
 
 
 def test_project_matches_the_plain_product_for_both_layouts():

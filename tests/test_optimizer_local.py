@@ -173,8 +173,9 @@ def test_update_of_a_compressed_matrix_has_rank_at_most_r():
 @pytest.mark.parametrize("scale", [1.0, 3.0])
 def test_error_feedback_identity_through_the_optimizer(cls, scale):
     """M + E(before) == G / (N w) + E(after) when the all-reduce leaves
-    w * (sum over N ranks): nothing of the gradient is lost or counted twice,
-    whether the reduction averages (w = 1/N) or sums (w = 1, op=hvd.Sum)."""
+    w * (sum over N ranks): at one rank G / (N w) is this rank's own factor
+    product, so nothing of the gradient is lost or counted twice, whether
+    the reduction averages (w = 1/N) or sums (w = 1, op=hvd.Sum)."""
     model = _conv_net(F64)
     opt = cls(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
               matrix_rank=2, fusion_threshold_bytes=0,
@@ -186,7 +187,7 @@ def test_error_feedback_identity_through_the_optimizer(cls, scale):
         opt.zero_grad()
         _backward(model, _conv_input(step, F64))
         local = {n: p.grad.clone() for n, p in model.named_parameters()}
-        # The hooks add the gradient to the residual; step() subtracts G.
+        # The hooks add the gradient to the residual and subtract what is sent.
         opt.step()
         params = dict(model.named_parameters())
         for name in ConvNet.COMPRESSED:

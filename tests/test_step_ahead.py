@@ -240,3 +240,15 @@ def test_bad_step_ahead_raises_value_error_naming_it(value):
     model = _net()
     with pytest.raises(ValueError, match="step_ahead"):
         _wrap(model, step_ahead=value)
+
+
+def test_another_models_forward_leaves_our_weights_alone():
+    model, other = _net(), _net(1)
+    opt = _wrap(model)
+    _train_step(model, opt, 0)
+    true = _params(model)
+    other(_batch(1)).sum().backward()
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), true[name]), name
+    model(_batch(1))                     # a module holding our parameters
+    assert not torch.equal(model.fc1.weight.detach(), true["fc1.weight"])

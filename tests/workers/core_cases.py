@@ -94,15 +94,19 @@ class AcpSimulation:
             accumulated = [grads[name].reshape(lay.n, lay.m) + self.errors[rank][name]
                            for rank, grads in enumerate(grads_per_rank)]
             if phase is Phase.P:
-                average = sum(a @ basis for a in accumulated) / world
+                local = [a @ basis for a in accumulated]
+                own = [f @ basis.t() for f in local]
+                average = sum(local) / world
                 self.p[name] = average
                 applied = average @ basis.t()
             else:
-                average = sum(a.t() @ basis for a in accumulated) / world
+                local = [a.t() @ basis for a in accumulated]
+                own = [basis @ f.t() for f in local]
+                average = sum(local) / world
                 self.q[name] = average
                 applied = basis @ average.t()
             for rank, a in enumerate(accumulated):
-                self.errors[rank][name] = a - applied      # residual against G
+                self.errors[rank][name] = a - own[rank]     # this rank's unsent part
             expected[name] = applied.reshape(lay.shape)
         return expected
 
