@@ -12,7 +12,7 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from .comm import CommStats, Communicator, HorovodCommunicator
-from .reducer import ACPReducer
+from .reducer import ACPReducer, check_state_version
 from .stepahead import StepAhead
 
 logger = logging.getLogger(__name__)
@@ -342,6 +342,8 @@ class DistributedOptimizer(_LocalStep):
         """
         state_dict = dict(state_dict)
         acp_state = state_dict.pop(STATE_KEY, None)
+        if acp_state is not None:       # before anything is loaded: all or nothing
+            check_state_version(acp_state, reset_error_feedback)
         self._step_ahead.restore(warn=False)
         self._optimizer.load_state_dict(state_dict)
         if acp_state is not None:

@@ -34,7 +34,8 @@ from .fusion import Bucket, TensorLayout, make_layouts, plan_buckets
 
 logger = logging.getLogger(__name__)
 
-STATE_FORMAT_VERSION = 1
+#: 2: residuals in the local form E = A - P_i B^T (1: E = A - share * G).
+STATE_FORMAT_VERSION = 2
 
 
 
@@ -478,10 +479,7 @@ class ACPReducer:
             reset_error_feedback: set every residual to zero instead of
                 loading it (the residual is rank-local; see the README).
         """
-        version = state.get("version")
-        if version != STATE_FORMAT_VERSION:
-            raise ValueError(f"unsupported hvd_acp state format version {version!r}; "
-                             f"this version reads {STATE_FORMAT_VERSION}")
+        check_state_version(state, reset_error_feedback)
         saved = state["params"]
         missing = sorted(set(self.errors) - set(saved))
         unexpected = sorted(set(saved) - set(self.errors))
@@ -508,3 +506,19 @@ class ACPReducer:
     def reset_error_feedback(self) -> None:
         for error in self.errors.values():
             error.zero_()
+
+
+def check_state_version(state: dict, reset_error_feedback: bool) -> None:
+    """Raise ``ValueError`` unless :meth:`ACPReducer.load_state_dict` can load ``state``."""
+    version = state.get("version")
+    if version == 1 and not reset_error_feedback:
+        raise ValueError(
+            "this hvd_acp checkpoint has state format 1, whose error-feedback residuals "
+            "were taken against the averaged gradient; this version keeps each rank's "
+            "own unsent part (format 2), so they cannot be resumed as they are. Load it "
+            "with load_state_dict(..., reset_error_feedback=True): factors, phase and "
+            "step count are kept and the residuals restart from zero")
+    if version not in (1, STATE_FORMAT_VERSION):
+        raise ValueError(f"unsupported hvd_acp state format version {version!r}; "
+                         f"this version reads {STATE_FORMAT_VERSION} (and 1 with "
+                         "reset_error_feedback=True)")

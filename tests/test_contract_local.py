@@ -104,7 +104,7 @@ def test_checkpoint_resume_is_bitwise(cls):
     run(model, opt, 3, 0)
     saved_model = {k: v.clone() for k, v in model.state_dict().items()}
     saved_opt = copy.deepcopy(opt.state_dict())   # as torch.save would
-    assert saved_opt["hvd_acp"]["step_count"] == 3 and saved_opt["hvd_acp"]["version"] == 1
+    assert saved_opt["hvd_acp"]["step_count"] == 3 and saved_opt["hvd_acp"]["version"] == 2
     run(model, opt, 4, 3)
     expected = [p.detach().clone() for p in model.parameters()]
     opt.close()
@@ -148,6 +148,28 @@ def test_loading_a_checkpoint_of_another_model_names_the_problem():
     state["hvd_acp"]["version"] = 99
     with pytest.raises(ValueError, match="version 99"):
         wrap(make_model(1)).load_state_dict(state)
+
+
+def test_a_format_1_checkpoint_loads_only_with_its_residuals_reset():
+    # Format 1 kept residuals against the averaged gradient; format 2 keeps
+    # each rank's own unsent part: the old residuals cannot be resumed.
+    model = make_model()
+    opt = wrap(model)
+    loss_of(model).backward()
+    opt.step()
+    state = copy.deepcopy(opt.state_dict())
+    state["hvd_acp"]["version"] = 1
+    other = wrap(make_model(1))
+    lr_before = other.param_groups[0]["lr"]
+    state["param_groups"][0]["lr"] = 0.5
+    with pytest.raises(ValueError, match="format 1.*reset_error_feedback=True"):
+        other.load_state_dict(state)
+    assert other.param_groups[0]["lr"] == lr_before        # nothing half-loaded
+    other.load_state_dict(state, reset_error_feedback=True)
+    assert other.step_count == 1
+    assert all(e.abs().max() == 0 for e in other.reducer.errors.values())
+    for name, factor in opt.reducer.p_factors.items():
+        assert torch.equal(other.reducer.p_factors[name], factor)
 
 
 @pytest.mark.parametrize("cls", [hvd_acp.DistributedOptimizer, hvd_acp.PowerSGDOptimizer])
