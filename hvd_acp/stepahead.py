@@ -159,14 +159,18 @@ class StepAhead:
             scale = eventual_step(group, adaptive=denom is not None)
             if not scale:
                 continue
-            if denom is not None:
-                denom = denom.reshape(error.shape).to(error.dtype)
-            shift = step_ahead_shift(error, scale, self.step_ahead, share, denom)
             anchor = self._anchors.get(name)
             if anchor is None:
                 anchor = self._anchors[name] = torch.empty_like(param)
             anchor.copy_(param)
-            param.sub_(shift.view(param.shape).to(param.dtype))
+            if denom is None and error.dtype == param.dtype:
+                # step_ahead_shift without denominator, fused: one pass, no copy.
+                param.sub_(error.view(param.shape), alpha=scale * self.step_ahead / share)
+            else:
+                if denom is not None:
+                    denom = denom.reshape(error.shape).to(error.dtype)
+                shift = step_ahead_shift(error, scale, self.step_ahead, share, denom)
+                param.sub_(shift.view(param.shape).to(param.dtype))
             self._applied[name] = (anchor, param._version)
 
     @torch.no_grad()
