@@ -230,7 +230,8 @@ def verdict_sentences(results: Dict[str, Any]) -> List[str]:
             continue
         a, b = report.NAMES.get(ratio["a"], ratio["a"]), report.NAMES.get(ratio["b"], ratio["b"])
         if ratio["b"] == report.FLOOR:
-            words = {"slower": "is slower than the floor", "same": "is not separable from the floor",
+            words = {"slower": "is slower than the floor",
+                     "same": "is not separable from the floor",
                      "faster": "ran faster than the floor (the floor's measurement was disturbed)"}
             said.append(f"{a} {words[ratio['verdict']]} ({_ratio_text(ratio)} of it)")
             continue

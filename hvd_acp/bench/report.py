@@ -174,6 +174,10 @@ def fmt_range(median: Optional[float], low: Optional[float], high: Optional[floa
     return f"{text} [{low:.{digits}f}, {high:.{digits}f}]"
 
 
+def _step_range(entry: Dict[str, Any]) -> str:
+    return fmt_range(entry.get("step_s_median"), entry.get("step_s_low"), entry.get("step_s_high"))
+
+
 def _fmt_ratio(ratio: Optional[Dict[str, Any]], digits: int = 2, invert: bool = False) -> str:
     if ratio is None:
         return "n/a"
@@ -256,18 +260,20 @@ def markdown(results: Dict[str, Any]) -> str:
             lines.append(f"| {label} | failed: {entry['error']} ||||||||")
             continue
         mb = entry["bytes_sent_per_step"] / 1e6
+        speedup = ("1.00x" if method == "ssgd"
+                   else _fmt_ratio(find_ratio(results, method, "ssgd"), invert=True))
+        compression = fmt_range(entry.get("compression_s_per_step"),
+                                entry.get("compression_s_low"), entry.get("compression_s_high"), 4)
         lines.append(
-            f"| {label} | {fmt_range(entry['step_s_median'], entry.get('step_s_low'), entry.get('step_s_high'))} "
+            f"| {label} | {_step_range(entry)} "
             f"| {_fmt(entry['step_s_p10'])}-{_fmt(entry['step_s_p90'])} "
-            f"| {_fmt(entry['samples_per_s'], 1)} "
-            f"| {_fmt_ratio(find_ratio(results, method, 'ssgd'), invert=True) if method != 'ssgd' else '1.00x'} "
+            f"| {_fmt(entry['samples_per_s'], 1)} | {speedup} "
             f"| {_fmt_ratio(find_ratio(results, method, FLOOR))} | {mb:.3f} "
-            f"| {entry['allreduces_per_step']:g} "
-            f"| {fmt_range(entry.get('compression_s_per_step'), entry.get('compression_s_low'), entry.get('compression_s_high'), 4)} |")
+            f"| {entry['allreduces_per_step']:g} | {compression} |")
     if floor is not None:
         lines.append(
             f"| compute only (floor, 1 process, no communication) "
-            f"| {fmt_range(floor, floor_entry.get('step_s_low'), floor_entry.get('step_s_high'))} "
+            f"| {_step_range(floor_entry)} "
             f"| {_fmt(floor_entry.get('step_s_p10'))}-{_fmt(floor_entry.get('step_s_p90'))} "
             f"| {_fmt(floor_entry.get('samples_per_s'), 1)} | | 1.00x | 0 | 0 | 0 |")
     lines.append("")
@@ -388,8 +394,7 @@ def _diagnostics_table(results: Dict[str, Any]) -> List[str]:
             lines.append(f"| {_DIAGNOSTIC_LABELS.get(name, name)} | failed |||||")
             continue
         to_floor = find_ratio(results, name, FLOOR, key="diagnostic_ratios")
-        lines.append(f"| {_DIAGNOSTIC_LABELS.get(name, name)} "
-                     f"| {fmt_range(entry['step_s_median'], entry.get('step_s_low'), entry.get('step_s_high'))} "
+        lines.append(f"| {_DIAGNOSTIC_LABELS.get(name, name)} | {_step_range(entry)} "
                      f"| {_fmt_ratio(to_floor)} | {_say(to_floor, rounds)} "
                      f"| {_fmt(entry.get('compression_s_per_step'), 4)} "
                      f"| {_fmt(entry.get('cpu_share_outside_job'), 2)} |")
