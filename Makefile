@@ -37,7 +37,7 @@ compare: install
 grid: install
 	$(PY) scripts/compare.py --tasks grid
 
-# A few steps of every method on a small model, 2 ranks, localhost (no emulation).
+# A few steps of every method on a small model, 2 ranks, localhost (no emulation), 2 rounds.
 bench-smoke: install
-	OMP_NUM_THREADS=1 $(PY) -m hvd_acp.bench --model small --np $(NP) --steps 3 --warmup 2 \
-		--out bench-results/smoke
+	OMP_NUM_THREADS=1 $(PY) -m hvd_acp.bench --model small --np $(NP) --steps 4 --warmup 2 \
+		--rounds 2 --out bench-results/smoke

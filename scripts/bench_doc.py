@@ -1,25 +1,45 @@
-"""Rebuild the per-run sections of docs/benchmarks.md from bench-results/.
+"""Rebuild the generated parts of docs/benchmarks.md and README.md from bench-results/.
 
     .venv/bin/python scripts/bench_doc.py
 
-Each run directory written by ``hvd-acp-bench --out DIR`` holds a
-``results.md`` and a ``breakdown.png``; this script copies their tables,
-command and picture into docs/benchmarks.md between the markers
-``<!-- runs -->`` and ``<!-- end runs -->``, in the order of :data:`RUNS`,
-so that every number on that page comes from a run that is in the
-repository. The hand-written parts around the markers are kept.
+Every table, verdict and picture between the markers below is rendered from
+a run directory's ``results.json`` (written by ``hvd-acp-bench --out DIR``)
+by the benchmark's own report code, so that every number and every
+comparison on those pages comes from a run that is in the repository, and a
+sentence saying that one method is faster than another is the verdict of
+that run's interval:
+
+- docs/benchmarks.md, ``<!-- targets -->`` ... ``<!-- end targets -->``: the
+  targets, each met, missed, or not separable from noise (:data:`TARGETS`);
+- docs/benchmarks.md, ``<!-- runs -->`` ... ``<!-- end runs -->``: one section
+  per run of :data:`RUNS`: its verdicts in words, its tables, command and
+  breakdown picture (plotted again into docs/img/);
+- README.md, ``<!-- results in brief -->`` ... ``<!-- end results in brief -->``.
+
+The hand-written parts around the markers are kept. A run ``DIR`` may have a
+second invocation of the same command in ``DIR_rerun``: the targets then say
+whether it passes ``hvd-acp-bench check`` against ``DIR``. A results.json
+written before ``--rounds`` existed still renders (as one round, with no
+intervals and no verdicts); its targets read "not assessed".
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import shutil
 import sys
 from pathlib import Path
-from typing import List
+from typing import Any, Dict, List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
-START, END = "<!-- runs -->", "<!-- end runs -->"
+sys.path.insert(0, str(REPO))
+
+from hvd_acp.bench import check, report  # noqa: E402
+
+RUNS_MARKERS = ("<!-- runs -->", "<!-- end runs -->")
+TARGETS_MARKERS = ("<!-- targets -->", "<!-- end targets -->")
+BRIEF_MARKERS = ("<!-- results in brief -->", "<!-- end results in brief -->")
+RERUN_SUFFIX = "_rerun"
 
 #: (directory under bench-results/, section title), in page order.
 RUNS = (
@@ -35,9 +55,199 @@ RUNS = (
      "ResNet-50, 100 Mbit/s per node, Horovod's default 1 ms cycle"),
 )
 
+#: Columns of the targets table: the communication-bound runs.
+TARGET_RUNS = (
+    ("resnet50_100mbit", "ResNet-50, 100 Mbit/s"),
+    ("bert-base_200mbit", "BERT-Base, 200 Mbit/s"),
+    ("bert-base_b32_75mbit", "BERT-Base, batch 32, 75 Mbit/s"),
+    ("resnet50_100mbit_cycle50", "ResNet-50, 100 Mbit/s, 50 ms cycle"),
+    ("bert-base_200mbit_cycle50", "BERT-Base, 200 Mbit/s, 50 ms cycle"),
+)
 
-def run_section(results: Path, run: str, title: str, img: Path, doc: Path) -> List[str]:
-    lines = (results / run / "results.md").read_text(encoding="utf-8").splitlines()
+#: Rows of README's results in brief.
+BRIEF_RUNS = (
+    ("resnet50_100mbit", "ResNet-50, 100 Mbit/s, rank 4"),
+    ("bert-base_200mbit", "BERT-Base, 200 Mbit/s, rank 32"),
+    ("bert-base_b32_75mbit", "BERT-Base, batch 32, 75 Mbit/s, rank 32"),
+)
+
+MET, MISSED, NOISE, NOT_ASSESSED = ("**met**", "**missed**", "**not separable from noise**",
+                                    "not assessed (a run without rounds)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """``a``'s figure over ``b``'s (``what``) must be at least or at most ``bound``.
+
+    Met when the whole interval is on the right side of the bound, missed
+    when it is wholly on the wrong side, not separable from noise when it
+    contains the bound.
+    """
+
+    text: str
+    a: str
+    b: str
+    what: str
+    bound: float
+    at_least: bool
+
+    def judge(self, results: Dict[str, Any]) -> Optional[str]:
+        ratio = report.find_ratio(results, self.a, self.b, self.what)
+        if ratio is None:
+            return None
+        value = _ratio_text(ratio)
+        if (results.get("rounds") or 1) < 2:
+            return f"{value}: {NOT_ASSESSED}"
+        low, high = ratio["low"], ratio["high"]
+        if self.at_least:
+            word = MET if low >= self.bound else MISSED if high < self.bound else NOISE
+        else:
+            word = MET if high <= self.bound else MISSED if low > self.bound else NOISE
+        return f"{value}: {word}"
+
+
+#: The targets of the earlier issues, on the communication-bound links.
+TARGETS = (
+    Target("S-SGD communication-bound (S-SGD's step >= 4x the floor)",
+           "ssgd", report.FLOOR, "step", 4.0, True),
+    Target("ACP-SGD >= 3x faster than S-SGD (S-SGD's step / ACP-SGD's)",
+           "ssgd", "acp", "step", 3.0, True),
+    Target("ACP-SGD faster than Power-SGD (hvd_acp) (its step / ACP-SGD's > 1)",
+           "powersgd", "acp", "step", 1.0, True),
+    Target("ACP-SGD faster than Power-SGD (DDP hook) (its step / ACP-SGD's > 1)",
+           "powersgd-ddp", "acp", "step", 1.0, True),
+    Target("ACP-SGD within 1.15x of the floor", "acp", report.FLOOR, "step", 1.15, False),
+    Target("ACP-SGD compression <= 0.75x Power-SGD's (hvd_acp)",
+           "acp", "powersgd", "compression", 0.75, False),
+)
+#: Half-width of ACP-SGD's interval against Power-SGD's step, as a share of its median.
+PRECISION = 0.05
+#: Minutes a documented run may take.
+MAX_MINUTES = 20.0
+
+
+def _ratio_text(ratio: Dict[str, Any], digits: int = 2) -> str:
+    if ratio["low"] == ratio["high"]:
+        return f"{ratio['median']:.{digits}f}x"
+    return f"{ratio['median']:.{digits}f}x [{ratio['low']:.{digits}f}, {ratio['high']:.{digits}f}]"
+
+
+def load(results_dir: Path, run: str) -> Optional[Dict[str, Any]]:
+    """A run's results.json with its comparisons derived; ``None`` if absent."""
+    path = results_dir / run / "results.json"
+    if not path.exists():
+        return None
+    results = json.loads(path.read_text(encoding="utf-8"))
+    if "ratios" not in results:
+        report.derive(results)      # written before rounds: one round, no intervals
+    return results
+
+
+def _precision(results: Dict[str, Any]) -> Optional[str]:
+    ratio = report.find_ratio(results, "powersgd", "acp", "step")
+    if ratio is None:
+        return None
+    if (results.get("rounds") or 1) < 2:
+        return f"{_ratio_text(ratio)}: {NOT_ASSESSED}"
+    half = max(ratio["high"] - ratio["median"], ratio["median"] - ratio["low"]) / ratio["median"]
+    return (f"+-{100 * half:.1f}%: " + (MET if half <= PRECISION else MISSED))
+
+
+def _floor_below_one(results: Dict[str, Any]) -> Optional[str]:
+    if (results.get("rounds") or 1) < 2:
+        return NOT_ASSESSED
+    below = [r for r in results.get("ratios", []) if r["b"] == report.FLOOR
+             and r["what"] == "step" and r["high"] < 1.0]
+    if not below:
+        return MET
+    return ", ".join(f"{r['a']} {_ratio_text(r)}" for r in below) + f": {MISSED}"
+
+
+def _duration(results: Dict[str, Any]) -> Optional[str]:
+    seconds = results.get("duration_s")
+    if seconds is None:
+        return "not recorded (a run without rounds)"
+    minutes = seconds / 60
+    return f"{minutes:.1f} min: " + (MET if minutes <= MAX_MINUTES else MISSED)
+
+
+def _rerun(results_dir: Path, run: str) -> Optional[str]:
+    path = results_dir / f"{run}{RERUN_SUFFIX}" / "results.json"
+    if not path.exists():
+        return None
+    try:
+        old, new = check.load(results_dir / run), check.load(path)
+    except check.CheckError as exc:
+        return f"cannot check: {exc}"
+    if check.config_differences(old, new):
+        return "cannot check: not the same configuration"
+    outcome = check.compare(old, new)
+    if not outcome["differ"]:
+        return f"{outcome['compared']} ratios, all overlap: {MET}"
+    moved = ", ".join(f"{w} {a}/{b}" for (a, b, w), _, _ in outcome["differ"])
+    return f"{len(outcome['differ'])} of {outcome['compared']} moved ({moved}): {MISSED}"
+
+
+def targets_table(results_dir: Path) -> List[str]:
+    """The targets against the communication-bound runs that exist."""
+    runs = [(run, title, load(results_dir, run)) for run, title in TARGET_RUNS]
+    runs = [(run, title, results) for run, title, results in runs if results is not None]
+    if not runs:
+        return ["No runs in bench-results/ yet."]
+    rows: List[Tuple[str, List[Optional[str]]]] = [
+        (t.text, [t.judge(results) for _, _, results in runs]) for t in TARGETS]
+    rows += [
+        (f"interval of ACP-SGD against Power-SGD (hvd_acp), step, within +-{100 * PRECISION:g}% "
+         "of its median", [_precision(results) for _, _, results in runs]),
+        ("no ratio to the floor below 1.0 unless its interval includes 1.0",
+         [_floor_below_one(results) for _, _, results in runs]),
+        (f"whole run (all rounds, all jobs) <= {MAX_MINUTES:g} min",
+         [_duration(results) for _, _, results in runs]),
+        ("a second invocation passes `hvd-acp-bench check` against the committed run "
+         f"(bench-results/RUN{RERUN_SUFFIX}/)",
+         [_rerun(results_dir, run) for run, _, _ in runs]),
+    ]
+    lines = ["| target | " + " | ".join(title for _, title, _ in runs) + " |",
+             "|---|" + "---|" * len(runs)]
+    for text, cells in rows:
+        if all(c is None for c in cells):
+            continue
+        lines.append(f"| {text} | " + " | ".join(c or "n/a" for c in cells) + " |")
+    rounds = sorted({results.get("rounds") or 1 for _, _, results in runs})
+    lines += ["", "Met: the whole interval is on the target's side; missed: wholly on the "
+              "other side; not separable from noise: the interval contains the target's "
+              "bound. Rounds per run: " + ", ".join(str(r) for r in rounds) + "."]
+    return lines
+
+
+def verdict_sentences(results: Dict[str, Any]) -> List[str]:
+    """Every step comparison of the run in words, straight from its verdicts."""
+    if (results.get("rounds") or 1) < 2:
+        return []       # the run's own text says it has no intervals
+    said = []
+    for ratio in results.get("ratios", []):
+        if ratio["what"] != "step":
+            continue
+        a, b = report.NAMES.get(ratio["a"], ratio["a"]), report.NAMES.get(ratio["b"], ratio["b"])
+        if ratio["b"] == report.FLOOR:
+            words = {"slower": "is slower than the floor",
+                     "same": "is not separable from the floor",
+                     "faster": "ran faster than the floor (the floor's measurement was disturbed)"}
+            said.append(f"{a} {words[ratio['verdict']]} ({_ratio_text(ratio)} of it)")
+            continue
+        if ratio["verdict"] == "same":
+            said.append(f"{a} and {b}: no measurable difference (step {_ratio_text(ratio)})")
+        elif ratio["verdict"] == "faster":
+            speed = report.find_ratio(results, ratio["b"], ratio["a"], "step")
+            said.append(f"{a} is faster than {b} ({b}'s step is {_ratio_text(speed)} {a}'s)")
+        else:
+            said.append(f"{a} is slower than {b} (its step is {_ratio_text(ratio)} {b}'s)")
+    return ["Verdicts (step times, paired inside each round): " + "; ".join(said) + "."]
+
+
+def run_section(results_dir: Path, run: str, title: str, img: Path, doc: Path) -> List[str]:
+    results = load(results_dir, run)
+    lines = report.markdown(results).splitlines()
     heading = lines[0].lstrip("# ").strip()
     body = []
     for line in lines[1:]:
@@ -49,35 +259,87 @@ def run_section(results: Path, run: str, title: str, img: Path, doc: Path) -> Li
         body.pop()
     picture = img / f"bench_{run.replace('-', '_')}.png"
     picture.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(results / run / "breakdown.png", picture)
-    config = json.loads((results / run / "results.json").read_text(encoding="utf-8"))["config"]
+    report.plot_breakdown(results, picture)
     rel = picture.relative_to(doc.parent).as_posix()
-    return [f"## {title}", "", f"{heading}; `bench-results/{run}/` ({config['command'].split()[0]} "
+    return [f"## {title}", "",
+            f"{heading}; `bench-results/{run}/` ({results['config']['command'].split()[0]} "
             f"outputs: results.json, results.md, breakdown.png, logs, per-rank raw results).",
+            "", *(line for sentence in verdict_sentences(results) for line in (sentence, "")),
             *body, "", f"![{title}]({rel})", ""]
+
+
+def brief_table(results_dir: Path) -> List[str]:
+    """README's results in brief: steps with intervals, ACP-SGD's verdicts."""
+    lines = ["| model, link | rounds | S-SGD step | Power-SGD step (hvd_acp / DDP hook) "
+             "| ACP-SGD step | ACP-SGD against S-SGD / Power-SGD (hvd_acp) / DDP hook "
+             "| bytes/step/rank S-SGD -> ACP |",
+             "| --- | ---: | ---: | ---: | ---: | --- | ---: |"]
+    for run, title in BRIEF_RUNS:
+        results = load(results_dir, run)
+        if results is None:
+            continue
+        methods, rounds = results["methods"], results.get("rounds") or 1
+
+        def step(m):
+            e = methods.get(m) or {}
+            if e.get("step_s_median") is None:
+                return "n/a"
+            return report.fmt_range(e["step_s_median"], e.get("step_s_low"),
+                                     e.get("step_s_high"), 2) + " s"
+
+        against = []
+        for other in ("ssgd", "powersgd", "powersgd-ddp"):
+            ratio = report.find_ratio(results, other, "acp", "step")
+            if ratio is None:
+                continue
+            word = ("" if rounds < 2 else {"slower": ", faster", "faster": ", slower",
+                                           "same": ", no measurable difference"}[ratio["verdict"]])
+            against.append(f"{_ratio_text(ratio)}{word}")
+        sent = lambda m: (methods.get(m) or {}).get("bytes_sent_per_step")  # noqa: E731
+        data = (f"{sent('ssgd') / 1e6:.1f} MB -> {sent('acp') / 1e6:.2f} MB"
+                if sent("ssgd") and sent("acp") else "n/a")
+        lines.append(f"| {title} | {rounds} | {step('ssgd')} "
+                     f"| {step('powersgd')} / {step('powersgd-ddp')} "
+                     f"| {step('acp')} | {' / '.join(against) or 'n/a'} | {data} |")
+    lines += ["", "Steps: medians over the rounds [interval of the median, 96.9% with 6 "
+              "rounds]. ACP-SGD's comparisons: the other method's step over ACP-SGD's, paired "
+              "inside each round, with the verdict of its interval (faster, slower, or no "
+              "measurable difference). A run of 1 round (one block of steps per method) has "
+              "no interval and no verdict."]
+    return lines
+
+
+def _replace(text: str, markers: Tuple[str, str], lines: List[str], path: Path) -> str:
+    start, end = markers
+    if start not in text or end not in text:
+        raise SystemExit(f"{path}: markers {start} and {end} not found")
+    head, rest = text.split(start, 1)
+    tail = rest.split(end, 1)[1]
+    return head + start + "\n\n" + "\n".join(lines) + "\n\n" + end + tail
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, default=REPO / "bench-results")
     parser.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
+    parser.add_argument("--readme", type=Path, default=REPO / "README.md")
     parser.add_argument("--img", type=Path, default=REPO / "docs" / "img")
     args = parser.parse_args(argv)
-    text = args.doc.read_text(encoding="utf-8")
-    if START not in text or END not in text:
-        print(f"{args.doc}: markers {START} and {END} not found", file=sys.stderr)
-        return 2
-    sections = []
+    sections: List[str] = []
     for run, title in RUNS:
-        if not (args.results / run / "results.md").exists():
-            print(f"skipping {run}: no results.md", file=sys.stderr)
+        if not (args.results / run / "results.json").exists():
+            print(f"skipping {run}: no results.json", file=sys.stderr)
             continue
         sections += run_section(args.results, run, title, args.img, args.doc)
-    head, rest = text.split(START, 1)
-    tail = rest.split(END, 1)[1]
-    args.doc.write_text(head + START + "\n\n" + "\n".join(sections) + "\n" + END + tail,
-                        encoding="utf-8")
+    text = args.doc.read_text(encoding="utf-8")
+    text = _replace(text, RUNS_MARKERS, sections, args.doc)
+    text = _replace(text, TARGETS_MARKERS, targets_table(args.results), args.doc)
+    args.doc.write_text(text, encoding="utf-8")
     print(f"wrote {args.doc}")
+    readme = args.readme.read_text(encoding="utf-8")
+    args.readme.write_text(_replace(readme, BRIEF_MARKERS, brief_table(args.results),
+                                    args.readme), encoding="utf-8")
+    print(f"wrote {args.readme}")
     return 0
 
 

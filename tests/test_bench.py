@@ -13,10 +13,12 @@ import pytest
 import torch
 
 from hvd_acp.bench import report
+from hvd_acp.bench.driver import summarize_rounds
 from hvd_acp.bench.launch import Command, JobError, run_job
 from hvd_acp.bench.models import SmallNet, build_model, default_matrix_rank
-from hvd_acp.bench.stats import (combine_ranks, parse_bandwidth, parse_methods, percentile,
-                                 summarize_steps, tbf_burst_bytes)
+from hvd_acp.bench.stats import (combine_ranks, median_interval, order_statistic_rank,
+                                 paired_ratios, parse_bandwidth, parse_methods, percentile,
+                                 round_order, summarize_steps, tbf_burst_bytes, verdict)
 from hvd_acp.bench.worker import link_tx_bytes, powersgd_ddp_bytes_per_step
 from tests.hvdrun import requires_emulation
 
@@ -89,6 +91,288 @@ def test_breakdown_floors_exposed_communication_at_zero():
     assert parts == {"compute": 0.9, "compression": 0.3, "exposed_comm": 0.0}
     parts = report.breakdown({"step_s_median": 2.0, "compression_s_per_step": None}, 0.5)
     assert parts["exposed_comm"] == pytest.approx(1.5)
+
+
+# ------------------------------------------------------ rounds, intervals
+def test_round_order_puts_every_job_in_every_position():
+    jobs = ["compute", "ssgd", "powersgd", "powersgd-ddp", "acp"]
+    orders = [round_order(jobs, i) for i in range(len(jobs))]
+    for order in orders:
+        assert sorted(order) == sorted(jobs)
+    for position in range(len(jobs)):
+        assert sorted(order[position] for order in orders) == sorted(jobs)
+    assert len({order[0] for order in orders[:2]}) == 2
+    assert len({order[-1] for order in orders[:2]}) == 2
+    assert round_order(jobs, len(jobs)) == round_order(jobs, 0) == jobs
+    with pytest.raises(ValueError, match="round_index"):
+        round_order(jobs, -1)
+
+
+@pytest.mark.parametrize("n, j, coverage", [
+    (1, 1, 0.0), (2, 1, 0.5), (5, 1, 0.9375), (6, 1, 0.96875), (8, 1, 0.9921875),
+    (9, 2, 1 - 2 * 10 / 512), (12, 3, 1 - 2 * 79 / 4096)])
+def test_order_statistic_interval_coverage_is_exact(n, j, coverage):
+    assert order_statistic_rank(n) == (j, pytest.approx(coverage))
+
+
+def test_order_statistic_coverage_holds_by_simulation():
+    np = pytest.importorskip("numpy")
+    rng = np.random.default_rng(0)
+    values = rng.lognormal(0.0, 0.3, size=(20000, 6))      # median exactly 1.0
+    low, high = values.min(axis=1), values.max(axis=1)
+    assert ((low <= 1.0) & (1.0 <= high)).mean() == pytest.approx(0.96875, abs=0.005)
+
+
+def _drifting_rounds(ratio, n=6, noise=0.01, drift=0.2, seed=0):
+    """Figures of two jobs per round: a common drift of the machine (up to
+    +-``drift``) and a small noise of each job; a's true step is ``ratio``
+    times b's."""
+    import random
+    rng = random.Random(seed)
+    a, b = {}, {}
+    for i in range(1, n + 1):
+        machine = 1 + rng.uniform(-drift, drift)
+        a[i] = ratio * machine * (1 + rng.uniform(-noise, noise))
+        b[i] = machine * (1 + rng.uniform(-noise, noise))
+    return a, b
+
+
+def test_identical_methods_are_the_same():
+    a, b = _drifting_rounds(1.0)
+    interval = median_interval(paired_ratios(a, b), log=True)
+    assert interval.low <= 1.0 <= interval.high and interval.n == 6
+    assert interval.high / interval.low < 1.05        # pairing removed the 20% drift
+    assert verdict(interval) == "same"
+    same = {i: 1.0 for i in range(1, 7)}
+    assert verdict(median_interval(paired_ratios(same, same), log=True)) == "same"
+
+
+def test_separated_methods_get_a_verdict_despite_drift():
+    a, b = _drifting_rounds(0.9)
+    # Unpaired, the two jobs' intervals overlap: the drift hides a 10% difference.
+    assert median_interval(list(a.values())).overlaps(median_interval(list(b.values())))
+    faster = median_interval(paired_ratios(a, b), log=True)
+    assert faster.high < 1.0 and verdict(faster) == "faster"
+    assert verdict(median_interval(paired_ratios(b, a), log=True)) == "slower"
+
+
+def test_overlapping_methods_are_not_separable():
+    ratios = [0.95, 1.02, 0.98, 1.04, 0.97, 1.01]
+    interval = median_interval(ratios, log=True)
+    assert (interval.low, interval.high) == (0.95, 1.04)
+    assert verdict(interval) == "same"
+    # The same spread, all on one side of 1.0, is a verdict.
+    assert verdict(median_interval([r * 0.9 for r in ratios], log=True)) == "faster"
+
+
+def test_median_of_ratios_is_reciprocal_and_one_round_has_no_verdict():
+    values = [0.8, 0.9, 1.1, 1.3]
+    forward = median_interval(values, log=True)
+    backward = median_interval([1 / v for v in values], log=True)
+    assert forward.median == pytest.approx(1 / backward.median)
+    assert forward.low == pytest.approx(1 / backward.high)
+    assert verdict(median_interval([0.5], log=True)) == "same"
+    with pytest.raises(ValueError, match="empty"):
+        median_interval([])
+    with pytest.raises(ValueError, match="positive"):
+        median_interval([0.0, 1.0], log=True)
+
+
+def test_paired_ratios_skip_failed_and_zero_rounds():
+    assert paired_ratios({1: 2.0, 2: None, 3: 1.0, 4: 0.0}, {1: 1.0, 2: 1.0, 4: 1.0}) == [2.0]
+
+
+def _round(i, step, compression=0.0, sent=100.0, steps=4):
+    return {"round": i, "position": 1, "step_s_median": step, "step_s": [step] * steps,
+            "step_s_p10": step, "step_s_p90": step, "samples_per_s": 64 / step,
+            "samples_per_step": 64, "bytes_sent_per_step": sent, "allreduces_per_step": 2,
+            "compression_s_per_step": compression, "steps": steps, "wall_s": 10.0,
+            "attempts": 1, "cpu_share_outside_job": 0.01, "last_loss": [1.0, 1.0],
+            "phase_s_median": {"forward": step / 3, "backward": step / 2,
+                               "optimizer_step": step / 6}}
+
+
+def _results(figures, rounds=6):
+    """results.json of a synthetic run: ``figures[job] = (step, compression, bytes)``,
+    times a drift common to each round's jobs and a noise of +-2% of each job."""
+    import random
+    drift = [1.0, 1.2, 0.9, 1.1, 0.95, 1.15, 1.05, 0.85][:rounds]
+    entries = {}
+    for job, (step, comp, sent) in figures.items():
+        noise = random.Random(job)
+        entries[job] = summarize_rounds([
+            _round(i + 1, step * d * (1 + noise.uniform(-0.02, 0.02)), comp * d, sent)
+            for i, d in enumerate(drift)])
+    results = {"config": {"model": "small", "np": 2, "batch_size": 32, "matrix_rank": 4,
+                          "bandwidth_mbit": 100.0, "topology": "test", "steps": 4,
+                          "warmup": 2, "image_size": None, "seq_len": None,
+                          "threads_per_rank": 1, "cpus": 2, "horovod_cycle_time_ms": 10.0,
+                          "versions": {"hvd_acp": "0.1.0"}, "command": "hvd-acp-bench test",
+                          "rounds": rounds},
+               "rounds": rounds, "compute_only": entries.pop("compute"),
+               "methods": entries, "notes": []}
+    report.derive(results)
+    return results
+
+
+FIGURES = {"compute": (1.0, 0.0, 0.0), "ssgd": (9.0, 0.0, 1000.0),
+           "powersgd": (1.4, 0.05, 20.0), "acp": (1.2, 0.04, 10.0),
+           "newmethod": (1.21, 0.04, 10.0)}
+
+
+def test_summarize_rounds_keeps_per_round_figures_and_failed_rounds():
+    rounds = [_round(1, 1.0), {"round": 2, "step_s_median": None, "error": "boom"},
+              _round(3, 1.2, 0.1)]
+    entry = summarize_rounds(rounds)
+    assert entry["step_s_median"] == pytest.approx(1.1)
+    assert (entry["step_s_low"], entry["step_s_high"]) == (1.0, 1.2)
+    assert entry["rounds_measured"] == 2 and entry["errors"] == ["round 2: boom"]
+    assert entry["steps"] == 4 and isinstance(entry["steps"], int)
+    assert len(entry["step_s"]) == 8 and entry["per_round"] == rounds
+    failed = summarize_rounds([{"round": 1, "step_s_median": None, "error": "boom"}])
+    assert failed["step_s_median"] is None and "boom" in failed["error"]
+
+
+def test_derive_pairs_every_measured_method_with_intervals_and_verdicts():
+    results = _results(FIGURES)
+    ratios = {(r["a"], r["b"], r["what"]): r for r in results["ratios"]}
+    for r in results["ratios"]:
+        assert r["low"] <= r["median"] <= r["high"] and r["rounds"] == 6
+        assert r["verdict"] in ("faster", "slower", "same")
+    # A method the report does not know is compared with every other one.
+    for other in ("ssgd", "powersgd", "acp", "floor"):
+        assert ("newmethod", other, "step") in ratios
+    assert ratios[("acp", "ssgd", "step")]["verdict"] == "faster"
+    assert ratios[("acp", "powersgd", "step")]["verdict"] == "faster"
+    assert ratios[("newmethod", "acp", "step")]["verdict"] == "same"   # 1.21 vs 1.2, 2% noise
+    assert ratios[("acp", "floor", "step")]["verdict"] == "slower"
+    assert ratios[("acp", "powersgd", "compression")]["median"] == pytest.approx(0.8)
+    assert ratios[("acp", "powersgd", "bytes")]["median"] == pytest.approx(0.5)
+    assert ("powersgd", "ssgd", "compression") not in ratios      # S-SGD compresses nothing
+    assert ("acp", "floor", "bytes") not in ratios
+    speedup = report.find_ratio(results, "ssgd", "acp")
+    assert speedup["median"] == pytest.approx(1 / ratios[("acp", "ssgd", "step")]["median"])
+    assert speedup["verdict"] == "slower"
+    acp = results["methods"]["acp"]
+    assert acp["speedup_vs_ssgd"] == pytest.approx(speedup["median"])
+    assert acp["ratio_to_floor_low"] <= acp["ratio_to_floor"] <= acp["ratio_to_floor_high"]
+
+
+def test_markdown_shows_intervals_verdicts_and_a_disturbed_floor(tmp_path):
+    text = report.markdown(_results(FIGURES))
+    assert "96.9% interval" in text
+    assert "ACP-SGD against Power-SGD (hvd_acp)" in text and "ACP-SGD faster" in text
+    assert "no measurable difference" in text and "slower than the floor" in text
+    assert "Disturbed run" not in text
+    disturbed = _results(dict(FIGURES, compute=(1.3, 0.0, 0.0)))
+    assert "Disturbed run" in report.markdown(disturbed)
+    report.plot_breakdown(disturbed, tmp_path / "breakdown.png")
+    assert (tmp_path / "breakdown.png").stat().st_size > 0
+
+
+def test_results_without_rounds_still_render():
+    results = _results(FIGURES, rounds=1)
+    for entry in list(results["methods"].values()) + [results["compute_only"]]:
+        entry.update(entry.pop("per_round")[0])      # the layout before rounds
+    results.pop("rounds")
+    report.derive(results)
+    assert results["rounds"] == 1
+    assert all(r["verdict"] == "same" and r["rounds"] == 1 for r in results["ratios"])
+    text = report.markdown(results)
+    assert "no intervals and no verdicts" in text and "n/a (1 round)" in text
+
+
+# -------------------------------------------------------------------- check
+def _write(path: Path, results) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results))
+    return path
+
+
+def _check(*args):
+    from hvd_acp.bench import __main__ as cli
+    return cli.main(["check", *map(str, args)])
+
+
+def test_check_passes_when_every_interval_overlaps(tmp_path, capsys):
+    old = _write(tmp_path / "old" / "results.json", _results(FIGURES))
+    new = _write(tmp_path / "new" / "results.json",
+                 _results(dict(FIGURES, acp=(1.19, 0.04, 10.0))))
+    assert _check(old, new) == 0
+    assert "every interval overlaps" in capsys.readouterr().out
+    assert _check(old.parent, new.parent) == 0          # directories are fine too
+
+
+def test_check_fails_and_lists_the_ratios_that_moved(tmp_path, capsys):
+    old = _write(tmp_path / "old.json", _results(FIGURES))
+    new = _write(tmp_path / "new.json", _results(dict(FIGURES, acp=(1.5, 0.04, 10.0))))
+    assert _check(old, new) == 1
+    out = capsys.readouterr().out
+    assert "step acp/powersgd" in out and "step acp/floor" in out
+    assert "bytes acp/powersgd" not in out
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"bandwidth_mbit": 1000.0}, "bandwidth_mbit: 100.0 != 1000.0"),
+    ({"model": "resnet50"}, "model"),
+    ({"horovod_cycle_time_ms": None}, "horovod_cycle_time_ms")])
+def test_check_refuses_different_configurations(tmp_path, capsys, change, message):
+    old = _write(tmp_path / "old.json", _results(FIGURES))
+    other = _results(FIGURES)
+    other["config"].update(change)
+    assert _check(old, _write(tmp_path / "new.json", other)) == 2
+    err = capsys.readouterr().err
+    assert "not the same configuration" in err and message in err
+
+
+def test_check_refuses_missing_or_foreign_files(tmp_path, capsys):
+    good = _write(tmp_path / "good.json", _results(FIGURES))
+    assert _check(good, tmp_path / "missing.json") == 2
+    assert "missing.json: no such file" in capsys.readouterr().err
+    (tmp_path / "text.json").write_text("not json")
+    assert _check(tmp_path / "text.json", good) == 2
+    assert "not a results file" in capsys.readouterr().err
+    _write(tmp_path / "other.json", {"hello": 1})
+    assert _check(good, tmp_path / "other.json") == 2
+    assert "not a results file" in capsys.readouterr().err
+    one_round = _results(FIGURES, rounds=1)
+    assert _check(good, _write(tmp_path / "one.json", one_round)) == 2
+    assert "without rounds" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------- docs
+def test_bench_doc_judges_targets_from_the_intervals(tmp_path, monkeypatch):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_doc", REPO / "scripts" / "bench_doc.py")
+    bench_doc = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_doc", bench_doc)   # dataclasses look it up
+    spec.loader.exec_module(bench_doc)
+    figures = {"compute": (1.0, 0.0, 0.0), "ssgd": (9.0, 0.0, 1000.0),
+               "powersgd": (1.4, 0.05, 20.0), "powersgd-ddp": (1.31, 0.09, 20.0),
+               "acp": (1.3, 0.03, 10.0)}
+    results = tmp_path / "results"
+    _write(results / "resnet50_100mbit" / "results.json", dict(_results(figures), duration_s=900))
+    _write(results / "resnet50_100mbit_rerun" / "results.json", _results(figures))
+    doc, readme = tmp_path / "benchmarks.md", tmp_path / "README.md"
+    doc.write_text("intro\n<!-- targets -->\nold\n<!-- end targets -->\nmiddle\n"
+                   "<!-- runs -->\nold\n<!-- end runs -->\nend\n")
+    readme.write_text("<!-- results in brief -->\n<!-- end results in brief -->\n")
+    assert bench_doc.main(["--results", str(results), "--doc", str(doc), "--readme",
+                           str(readme), "--img", str(tmp_path / "img")]) == 0
+    text = doc.read_text()
+    assert text.startswith("intro\n") and "\nmiddle\n" in text and text.endswith("end\n")
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines()
+            if line.startswith("| ")}
+    assert "**met**" in rows["ACP-SGD >= 3x faster than S-SGD (S-SGD's step / ACP-SGD's)"]
+    assert "**met**" in rows["ACP-SGD faster than Power-SGD (hvd_acp) (its step / ACP-SGD's > 1)"]
+    assert "not separable from noise" in rows[
+        "ACP-SGD faster than Power-SGD (DDP hook) (its step / ACP-SGD's > 1)"]
+    assert "**missed**" in rows["ACP-SGD within 1.15x of the floor"]
+    assert "15.0 min: **met**" in rows["whole run (all rounds, all jobs) <= 20 min"]
+    assert "all overlap: **met**" in text
+    assert "ACP-SGD is faster than S-SGD" in text and "![" in text
+    assert (tmp_path / "img" / "bench_resnet50_100mbit.png").exists()
+    assert "ResNet-50, 100 Mbit/s, rank 4 | 6 |" in readme.read_text()
 
 
 # -------------------------------------------------------- counters, models
@@ -184,9 +468,10 @@ def test_bad_arguments_exit_with_usage(capsys):
 
 
 # ---------------------------------------------------------------- real runs
-def _bench(out: Path, *args: str, timeout: float) -> subprocess.CompletedProcess:
+def _bench(out: Path, *args: str, timeout: float, rounds: int = 1) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "hvd_acp.bench", "--model", "small", "--np", "2",
-           "--steps", "3", "--warmup", "2", "--no-progress", "--out", str(out), *args]
+           "--steps", "3", "--warmup", "2", "--rounds", str(rounds), "--no-progress",
+           "--out", str(out), *args]
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=REPO, start_new_session=True)
@@ -236,6 +521,34 @@ def test_smoke_run_writes_every_output(tmp_path):
     _bench(tmp_path, "--methods", ",".join(methods), timeout=140)
     results = _check_outputs(tmp_path, methods, None)
     assert "localhost" in results["config"]["topology"]
+
+
+@pytest.mark.horovod
+@pytest.mark.timeout(480)
+def test_rounds_run_carries_rounds_and_ratios(tmp_path):
+    methods = ["ssgd", "acp"]
+    # 6 jobs; about a minute on an idle machine, several on a shared one.
+    _bench(tmp_path, "--methods", ",".join(methods), timeout=470, rounds=2)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["rounds"] == 2 and isinstance(results["rounds"], int)
+    assert results["order"] == [["compute", "ssgd", "acp"], ["ssgd", "acp", "compute"]]
+    for entry in list(results["methods"].values()) + [results["compute_only"]]:
+        assert [r["round"] for r in entry["per_round"]] == [1, 2]
+        assert entry["step_s_low"] <= entry["step_s_median"] <= entry["step_s_high"]
+    keys = set()
+    for ratio in results["ratios"]:
+        assert set(ratio) >= {"a", "b", "what", "median", "low", "high", "verdict"}
+        assert ratio["a"] in methods and ratio["b"] in methods + ["floor"]
+        assert ratio["what"] in ("step", "compression", "bytes")
+        assert ratio["verdict"] in ("faster", "slower", "same")
+        assert ratio["low"] <= ratio["median"] <= ratio["high"]
+        keys.add((ratio["a"], ratio["b"], ratio["what"]))
+    assert {("acp", "ssgd", "step"), ("acp", "ssgd", "bytes"), ("ssgd", "floor", "step"),
+            ("acp", "floor", "step")} <= keys
+    assert (tmp_path / "logs" / "round2" / "acp.log").exists()
+    assert (tmp_path / "raw" / "round1" / "compute.rank0.json").exists()
+    assert "interval for the median" in (tmp_path / "results.md").read_text()
+    assert _check(tmp_path / "results.json", tmp_path / "results.json") == 0
 
 
 @pytest.mark.horovod

@@ -1,4 +1,8 @@
-"""``python -m hvd_acp.bench`` / ``hvd-acp-bench``: the command line."""
+"""``python -m hvd_acp.bench`` / ``hvd-acp-bench``: the command line.
+
+``hvd-acp-bench [options]`` runs the benchmark; ``hvd-acp-bench check OLD NEW``
+compares two of its runs (:mod:`.check`).
+"""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +17,9 @@ from .netem import NetworkSetupError, check_can_emulate
 from .stats import METHODS, parse_bandwidth, parse_methods
 
 DEFAULT_BATCH_SIZE = {"resnet50": 8, "bert-base": 4, "small": 32}
+#: The smallest number of rounds for which a distribution-free interval of
+#: the median reaches 95% (5 rounds: 93.75% at best); see stats.order_statistic_rank.
+DEFAULT_ROUNDS = 6
 
 
 def _positive(text: str) -> int:
@@ -33,7 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hvd-acp-bench",
         description="S-SGD vs Power-SGD vs ACP-SGD side by side in one run, optionally on "
-                    "an emulated cluster network (--bandwidth, needs root).")
+                    "an emulated cluster network (--bandwidth, needs root).",
+        epilog="hvd-acp-bench check OLD/results.json NEW/results.json compares two runs of "
+               "one configuration: exit 1 if a ratio's intervals do not overlap "
+               "(hvd-acp-bench check -h).")
     parser.add_argument("--methods", default=",".join(METHODS),
                         help=f"comma-separated subset of {','.join(METHODS)} (default: all)")
     parser.add_argument("--model", default="resnet50", choices=MODELS)
@@ -42,14 +52,21 @@ def build_parser() -> argparse.ArgumentParser:
                         help="per rank (default: resnet50 8, bert-base 4, small 32)")
     parser.add_argument("--matrix-rank", type=_positive, default=None,
                         help="factor rank (default: 4 for resnet50 and small, 32 for bert-base)")
-    parser.add_argument("--steps", type=_positive, default=10, help="timed steps (default 10)")
+    parser.add_argument("--rounds", type=_positive, default=DEFAULT_ROUNDS,
+                        help="run every job (floor, methods, diagnostics) once per round, in "
+                             "an order rotated from round to round; ratios are paired inside "
+                             f"each round, then given a median and interval over the rounds "
+                             f"(default {DEFAULT_ROUNDS}, the fewest with a 95%% interval)")
+    parser.add_argument("--steps", type=_positive, default=10,
+                        help="timed steps per job and round (default 10)")
     parser.add_argument("--warmup", type=_non_negative, default=3,
-                        help="untimed steps first (default 3)")
+                        help="untimed steps first, in every job (default 3)")
     parser.add_argument("--bandwidth", default=None,
                         help="per-node link rate, e.g. 200mbit or 1gbit (tc units); omitted: "
                              "no emulation, plain localhost")
     parser.add_argument("--out", type=Path, default=Path("bench-results"),
-                        help="output directory (default bench-results)")
+                        help="output directory (default bench-results); its raw/ and logs/ "
+                             "are replaced")
     parser.add_argument("--image-size", type=_positive, default=128,
                         help="resnet50 input height and width (default 128)")
     parser.add_argument("--seq-len", type=_positive, default=64,
@@ -74,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["check"]:
+        from .check import main as check_main
+        return check_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -94,6 +114,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         batch_size=args.batch_size or DEFAULT_BATCH_SIZE[args.model],
         matrix_rank=args.matrix_rank or default_matrix_rank(args.model),
         steps=args.steps, warmup=args.warmup, bandwidth_mbit=bandwidth, out=args.out,
+        rounds=args.rounds,
         image_size=args.image_size, seq_len=args.seq_len, threads=args.threads,
         timeout_s=args.timeout, progress=not args.no_progress, reruns=args.reruns,
         diagnostics=args.diagnostics, horovod_cycle_time_ms=args.horovod_cycle_time_ms,
@@ -109,9 +130,12 @@ def main(argv: Optional[List[str]] = None) -> int:
               file=sys.stderr)
         return 130
     print((cfg.out / "results.md").read_text())
-    failed = [m for m, e in results["methods"].items() if e.get("error")]
-    if failed or (results.get("compute_only") or {}).get("error"):
-        print(f"hvd-acp-bench: failed: {', '.join(failed) or 'compute_only'}", file=sys.stderr)
+    jobs = dict(results["methods"], compute_only=results.get("compute_only") or {},
+                **(results.get("diagnostics") or {}))
+    failed = [job for job, entry in jobs.items() if entry.get("error") or entry.get("errors")]
+    if failed:
+        print(f"hvd-acp-bench: failed (in one round or more): {', '.join(failed)}",
+              file=sys.stderr)
         return 1
     return 0
 

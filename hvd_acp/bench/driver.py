@@ -1,9 +1,12 @@
-"""The benchmark driver: one job per method, side by side, on one link.
+"""The benchmark driver: one job per method and round, side by side, on one link.
 
-For every method it launches a job (``horovodrun``, ``torchrun``, or the
-ranks by hand inside the emulated network), waits with a timeout, reads the
-per-rank result files and writes ``results.json``, ``results.md`` and
-``breakdown.png``.
+In every round (``--rounds``) it runs the compute-only floor, every method
+and the diagnostics once each, in an order that rotates from round to round
+(:func:`.stats.round_order`). For every job it launches ``horovodrun``,
+``torchrun``, or the ranks by hand inside the emulated network, waits with a
+timeout and reads the per-rank result files; at the end it summarizes each
+job over the rounds and writes ``results.json``, ``results.md`` and
+``breakdown.png`` (paired ratios and their intervals: :func:`.report.derive`).
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,7 +28,7 @@ from .launch import (Command, JobError, kill_worker_pids, new_session_dying_with
                      run_job, stop)
 from .netem import EmulatedNetwork
 from .rendezvous import rank_commands, start_server
-from .stats import combine_ranks, percentile, summarize_steps
+from .stats import combine_ranks, median_interval, percentile, round_order, summarize_steps
 from .worker import DIAGNOSTICS, HOROVOD_METHODS, IFACE_ENV
 
 logger = logging.getLogger(__name__)
@@ -55,6 +59,7 @@ class BenchConfig:
     warmup: int
     bandwidth_mbit: Optional[float]
     out: Path
+    rounds: int = 1
     image_size: int = 128
     seq_len: int = 64
     threads: int = 1
@@ -152,21 +157,22 @@ class _Runner:
         env.update(extra or {})
         return env
 
-    def _worker_args(self, method: str) -> List[str]:
+    def _worker_args(self, method: str, result_dir: Path) -> List[str]:
         c = self.cfg
         return ["-m", "hvd_acp.bench.worker", "--method", method, "--model", c.model,
                 "--batch-size", str(c.batch_size), "--matrix-rank", str(c.matrix_rank),
                 "--steps", str(c.steps), "--warmup", str(c.warmup),
                 "--image-size", str(c.image_size), "--seq-len", str(c.seq_len),
-                "--threads", str(c.threads), "--result-dir", str(self.raw)]
+                "--threads", str(c.threads), "--result-dir", str(result_dir)]
 
     def _tool(self, name: str) -> str:
         path = self.bin / name
         return str(path) if path.exists() else name
 
-    def _commands(self, method: str, rendezvous_port: Optional[int]) -> List[Command]:
+    def _commands(self, method: str, rendezvous_port: Optional[int],
+                  result_dir: Path) -> List[Command]:
         c, net = self.cfg, self.net
-        worker = [self.python] + self._worker_args(method)
+        worker = [self.python] + self._worker_args(method, result_dir)
         if method == "compute":
             return [Command(worker, self._env(), "compute")]
         if method in LOCAL_DIAGNOSTICS:
@@ -201,12 +207,17 @@ class _Runner:
         except RuntimeError as exc:
             raise JobError(str(exc)) from None
 
-    def run_method(self, method: str) -> List[Dict[str, Any]]:
-        """Run one job; returns the per-rank result dicts."""
-        self.raw.mkdir(parents=True, exist_ok=True)
-        for path in list(self.raw.glob(f"{method}.rank*")):
+    def run_method(self, method: str, round_index: int = 0) -> List[Dict[str, Any]]:
+        """Run one job of round ``round_index`` (0-based); returns the per-rank result dicts.
+
+        Its per-rank results go to ``raw/round<i>/``, its log to
+        ``logs/round<i>/<method>.log`` (``i`` counted from 1).
+        """
+        raw = self.raw / f"round{round_index + 1}"
+        raw.mkdir(parents=True, exist_ok=True)
+        for path in list(raw.glob(f"{method}.rank*")):
             path.unlink()
-        log_path = self.logs / f"{method}.log"
+        log_path = self.logs / f"round{round_index + 1}" / f"{method}.log"
         if log_path.exists():
             log_path.unlink()
         rendezvous = port = None
@@ -221,13 +232,14 @@ class _Runner:
 
         if self.bar is not None:
             self.bar.set_description(method)
-            if method in self._started:
+            if (method, round_index) in self._started:      # a re-run (--reruns)
                 self.bar.total += self.cfg.warmup + self.cfg.steps
                 self.bar.refresh()
-            self._started.add(method)
+            self._started.add((method, round_index))
         try:
-            run_job(self._commands(method, port), log_path, self.cfg.timeout_s, on_progress,
-                    on_cleanup=lambda: kill_worker_pids(self.raw, "hvd_acp.bench.worker"))
+            run_job(self._commands(method, port, raw), log_path, self.cfg.timeout_s,
+                    on_progress,
+                    on_cleanup=lambda: kill_worker_pids(raw, "hvd_acp.bench.worker"))
         finally:
             if rendezvous is not None:
                 rendezvous.stdin.close()
@@ -237,7 +249,7 @@ class _Runner:
         ranks = 1 if method == "compute" else self.cfg.np
         results = []
         for rank in range(ranks):
-            path = self.raw / f"{method}.rank{rank}.json"
+            path = raw / f"{method}.rank{rank}.json"
             if not path.exists():
                 raise JobError(f"rank {rank} wrote no result ({path}); see {log_path}")
             results.append(json.loads(path.read_text()))
@@ -254,7 +266,8 @@ def _summarize(cfg: BenchConfig, method: str, ranks: List[Dict[str, Any]]) -> Di
         bytes_sent_per_step=sum(r["bytes_sent"] for r in ranks) / per_rank,
         allreduces_per_step=sum(r["allreduces"] for r in ranks) / per_rank,
         compression_s_per_step=sum(r["compression_seconds"] for r in ranks) / per_rank,
-        steps=steps, step_s=step_s, last_loss=[r["last_loss"] for r in ranks])
+        steps=steps, step_s=step_s, last_loss=[r["last_loss"] for r in ranks],
+        samples_per_step=samples, gradient_bytes=ranks[0]["gradient_bytes"])
     # Where a step's time goes on rank 0: forward, backward (hvd_acp's hooks
     # compress and launch all-reduces in it), optimizer step (waits, then
     # reconstructs and updates; DDP waits at the end of backward instead).
@@ -264,6 +277,59 @@ def _summarize(cfg: BenchConfig, method: str, ranks: List[Dict[str, Any]]) -> Di
         entry["link_tx_bytes_per_step"] = sum(r["link_tx_bytes"] for r in ranks) / per_rank
     if method == "powersgd-ddp":
         entry["bytes_sent_per_step_analytic"] = ranks[0]["bytes_sent_per_step_analytic"]
+    return entry
+
+
+#: Per-round fields that are kept only under ``per_round``, not summarized.
+_ROUND_ONLY = ("round", "position", "step_s", "wall_s", "attempts", "last_loss",
+               "phase_s_median", "cpu_share_outside_job", "step_s_p10", "step_s_p90",
+               "samples_per_s", "error")
+
+
+def summarize_rounds(per_round: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One job's entry in results.json from its per-round entries.
+
+    The step figure is the median over rounds of each round's median step,
+    with its interval (:func:`.stats.median_interval`); p10/p90 are over all
+    timed steps of all rounds; counters (bytes, all-reduces, compression,
+    link bytes) are medians over rounds; ``cpu_share_outside_job`` is the
+    worst round's. Rounds whose job failed are listed in ``errors`` and left
+    out; if every round failed the entry has ``error`` and no figures.
+    """
+    ok = [r for r in per_round if not r.get("error")]
+    failed = [f"round {r['round']}: {r['error']}" for r in per_round if r.get("error")]
+    if not ok:
+        return {"step_s_median": None, "error": "; ".join(failed), "per_round": per_round}
+    step = median_interval([r["step_s_median"] for r in ok])
+    pooled = [t for r in ok for t in r["step_s"]]
+    entry: Dict[str, Any] = {
+        "step_s_median": step.median, "step_s_low": step.low, "step_s_high": step.high,
+        "step_s_p10": percentile(pooled, 10), "step_s_p90": percentile(pooled, 90)}
+    samples = ok[0].get("samples_per_step")
+    if samples is not None:
+        entry["samples_per_s"] = samples / step.median if step.median > 0 else float("nan")
+    for key, value in ok[0].items():
+        if key in entry or key in _ROUND_ONLY:
+            continue
+        values = [r.get(key) for r in ok]
+        if all(v == value for v in values):
+            entry[key] = value
+        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            entry[key] = percentile(values, 50)
+        else:
+            entry[key] = value
+    compression = median_interval([r["compression_s_per_step"] for r in ok])
+    entry.update(compression_s_low=compression.low, compression_s_high=compression.high)
+    entry["phase_s_median"] = {
+        name: percentile([r["phase_s_median"][name] for r in ok
+                          if name in r.get("phase_s_median", {})], 50)
+        for name in ok[0].get("phase_s_median", {})}
+    entry.update(step_s=pooled, last_loss=ok[-1].get("last_loss"),
+                 cpu_share_outside_job=max(r.get("cpu_share_outside_job") or 0.0 for r in ok),
+                 attempts=sum(r.get("attempts", 1) for r in per_round),
+                 rounds_measured=len(ok), per_round=per_round)
+    if failed:
+        entry["errors"] = failed
     return entry
 
 
@@ -280,8 +346,10 @@ def _wait_for_quiet(max_s: float, window_s: float = 3.0) -> bool:
     return False
 
 
-def _measure(cfg: BenchConfig, runner: _Runner, method: str) -> Dict[str, Any]:
-    """Run ``method``, again (up to ``cfg.reruns`` times) while others disturb it.
+def _measure(cfg: BenchConfig, runner: _Runner, method: str,
+             round_index: int = 0) -> Dict[str, Any]:
+    """Run ``method`` in round ``round_index``, again (up to ``cfg.reruns``
+    times) while others disturb it.
 
     Keeps the attempt during which the least CPU was used outside the job.
     """
@@ -289,14 +357,16 @@ def _measure(cfg: BenchConfig, runner: _Runner, method: str) -> Dict[str, Any]:
     for attempt in range(1 + cfg.reruns):
         if attempt:
             _wait_for_quiet(QUIET_WAIT_S)
+        started = time.monotonic()
         try:
             with _Interference() as interference:
-                ranks = runner.run_method(method)
+                ranks = runner.run_method(method, round_index)
         except JobError as exc:
-            logger.error("%s: %s", method, exc)
+            logger.error("%s (round %d): %s", method, round_index + 1, exc)
             return {"step_s_median": None, "error": str(exc)}
         entry = _summarize(cfg, method, ranks)
         entry["cpu_share_outside_job"] = interference.share
+        entry["wall_s"] = time.monotonic() - started
         entry["attempts"] = attempt + 1
         if best is None or interference.share < best["cpu_share_outside_job"]:
             best = entry
@@ -327,47 +397,66 @@ NOTES = [
     "sent per timed step, Ethernet/IP/TCP headers included (from /proc/net/dev inside "
     "the rank's namespace): the proof that the traffic crossed the rate-limited link.",
     "cpu_share_outside_job: share of the machine's CPU time (all cores) used outside "
-    "the job's processes while it ran: other users, and kernel work charged to no process "
-    "(such as the emulated network's packet processing). Above 0.10 a method's times are "
-    "flagged as likely disturbed (and, with --reruns, measured again once the machine has "
-    "been idle for 3 s; the least disturbed attempt is kept; `attempts` counts them).",
+    "the job's processes while it ran (the worst round's): other users, and kernel work "
+    "charged to no process (such as the emulated network's packet processing). Above 0.10 "
+    "a job's times are flagged as likely disturbed (and, with --reruns, measured again once "
+    "the machine has been idle for 3 s; the least disturbed attempt is kept; `attempts` "
+    "counts them over all rounds).",
+    "rounds: every job ran once per round, in an order rotated by one job per round "
+    "(`order` in results.json); step_s_median is the median over rounds of each round's "
+    "median step, step_s_low/high its interval; p10/p90 are over all timed steps of all "
+    "rounds; per-step counters are medians over rounds; `per_round` keeps each round's "
+    "figures. `ratios`: a's figure over b's (step, compression, bytes) computed inside "
+    "each round, median over rounds (geometric mean of the middle two for an even count) "
+    "and interval; verdict `faster` when the whole interval is below 1.0 (a needs less "
+    "time, or fewer bytes), `slower` when above, `same` otherwise.",
     "exposed communication in breakdown.png = step - floor - compression, floored at 0.",
 ]
 
 
 def run_benchmark(cfg: BenchConfig) -> Dict[str, Any]:
-    """Run every method of ``cfg`` and write the outputs into ``cfg.out``."""
+    """Run every job of ``cfg`` once per round and write the outputs into ``cfg.out``.
+
+    ``cfg.out/raw`` and ``cfg.out/logs`` are emptied first: they hold this
+    run's jobs only.
+    """
+    if cfg.rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {cfg.rounds!r}")
     cfg.out.mkdir(parents=True, exist_ok=True)
-    (cfg.out / "raw").mkdir(exist_ok=True)
+    for sub in ("raw", "logs"):
+        shutil.rmtree(cfg.out / sub, ignore_errors=True)
+    (cfg.out / "raw").mkdir()
     net = (EmulatedNetwork(cfg.np, cfg.bandwidth_mbit) if cfg.bandwidth_mbit is not None
            else None)
+    jobs = ["compute"] + list(cfg.methods) + (list(DIAGNOSTICS) if cfg.diagnostics else [])
     bar = None
     if cfg.progress:
         from tqdm import tqdm
         # A re-run (--reruns) adds its steps to the total as it starts.
-        jobs = len(cfg.methods) + 1 + (len(DIAGNOSTICS) if cfg.diagnostics else 0)
-        bar = tqdm(total=(cfg.warmup + cfg.steps) * jobs, unit="step",
+        bar = tqdm(total=(cfg.warmup + cfg.steps) * len(jobs) * cfg.rounds, unit="step",
                    dynamic_ncols=True, file=sys.stderr)
     previous = {sig: signal.signal(sig, _raise_interrupted)
                 for sig in (signal.SIGTERM, signal.SIGHUP)}
-    methods: Dict[str, Dict[str, Any]] = {}
-    diagnostics: Dict[str, Dict[str, Any]] = {}
-    compute_only: Optional[Dict[str, Any]] = None
+    per_round: Dict[str, List[Dict[str, Any]]] = {job: [] for job in jobs}
+    order: List[List[str]] = []
     topology = "localhost (loopback, no emulation): horovodrun -H localhost:N / torchrun --standalone"
+    started = time.monotonic()
     try:
         if net is not None:
             net.setup()
             topology = net.describe()
         runner = _Runner(cfg, net, bar)
-        extra = list(DIAGNOSTICS) if cfg.diagnostics else []
-        for method in ["compute"] + cfg.methods + extra:
-            entry = _measure(cfg, runner, method)
-            if method == "compute":
-                compute_only = dict(entry, processes=1)
-            elif method in DIAGNOSTICS:
-                diagnostics[method] = entry
-            else:
-                methods[method] = entry
+        for round_index in range(cfg.rounds):
+            sequence = round_order(jobs, round_index)
+            order.append(sequence)
+            for position, job in enumerate(sequence):
+                entry = _measure(cfg, runner, job, round_index)
+                entry.update(round=round_index + 1, position=position + 1)
+                per_round[job].append(entry)
+            elapsed = time.monotonic() - started
+            logger.info("round %d of %d done, %.0f s so far, about %.0f s to go",
+                        round_index + 1, cfg.rounds, elapsed,
+                        elapsed / (round_index + 1) * (cfg.rounds - round_index - 1))
     finally:
         if bar is not None:
             bar.close()
@@ -375,11 +464,12 @@ def run_benchmark(cfg: BenchConfig) -> Dict[str, Any]:
             net.teardown()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    duration_s = time.monotonic() - started
 
-    gradient_bytes = None
-    raw0 = cfg.out / "raw" / "compute.rank0.json"
-    if raw0.exists():
-        gradient_bytes = json.loads(raw0.read_text())["gradient_bytes"]
+    compute_only = dict(summarize_rounds(per_round["compute"]), processes=1)
+    methods = {m: summarize_rounds(per_round[m]) for m in cfg.methods}
+    diagnostics = {d: summarize_rounds(per_round[d]) for d in jobs if d in DIAGNOSTICS}
+    gradient_bytes = compute_only.get("gradient_bytes")
     ratio = {"gradient_mb": gradient_bytes / 1e6 if gradient_bytes else None,
              "ssgd_comm_s_at_line_rate": None}
     if gradient_bytes and cfg.bandwidth_mbit:
@@ -395,8 +485,11 @@ def run_benchmark(cfg: BenchConfig) -> Dict[str, Any]:
             "threads_per_rank": cfg.threads, "cpus": os.cpu_count(),
             "horovod_cycle_time_ms": cfg.horovod_cycle_time_ms,
             "methods": cfg.methods, "command": cfg.command,
-            "compute_vs_communication": ratio,
+            "compute_vs_communication": ratio, "rounds": cfg.rounds,
         },
+        "rounds": cfg.rounds,
+        "order": order,
+        "duration_s": duration_s,
         "methods": methods,
         "compute_only": compute_only,
         "notes": NOTES,
