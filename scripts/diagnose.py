@@ -32,6 +32,8 @@ def parse_args(argv=None):
     parser.add_argument("--results", type=Path, default=REPO / "results" / "diagnose")
     parser.add_argument("--img", type=Path, default=REPO / "docs" / "img" / "diagnostics.png")
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--plot-only", action="store_true",
+                        help="redraw the picture from the runs already in --results")
     return parser.parse_args(argv)
 
 
@@ -71,16 +73,20 @@ def plot(results, path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     panels = (("train_loss", "training loss (rank 0)", True),
+              ("grad_norm", "||M|| (solid), ||E|| (dashed), rank 0", True),
               ("residual_ratio", "||E|| / ||M||", True),
               ("kept_share", "share of ||A||² the projection keeps", False),
               ("subspace_turn", "subspace turn since that side's last step", False))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.6))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.0 * len(panels), 3.6))
     for label, steps, summary in results:
         for ax, (key, ylabel, log) in zip(axes, panels):
             xs = [s["step"] for s in steps if s.get(key) is not None]
             ys = [s[key] for s in steps if s.get(key) is not None]
-            ax.plot(xs, ys, label=f"{label}: {100 * summary['test_accuracy']:.1f}%",
-                    linewidth=1.2)
+            line, = ax.plot(xs, ys, linewidth=1.2,
+                            label=f"{label}: {100 * summary['test_accuracy']:.1f}%")
+            if key == "grad_norm":
+                ax.plot(xs, [s["residual_norm"] for s in steps if s.get(key) is not None],
+                        linestyle="--", linewidth=1.0, color=line.get_color())
             ax.set_ylabel(ylabel)
             ax.set_xlabel("optimizer step")
             if log:
@@ -98,7 +104,12 @@ def main(argv=None):
     args = parse_args(argv)
     results = []
     for label, flags in RUNS:
-        steps, summary = run(args, label, flags)
+        stem = args.results / ("noahead" if flags else "default")
+        if args.plot_only:
+            steps = json.loads(stem.with_suffix(".diagnostics.json").read_text())["steps"]
+            summary = json.loads(stem.with_suffix(".json").read_text())
+        else:
+            steps, summary = run(args, label, flags)
         results.append((label, steps, summary))
         print("[diagnose] " + describe(label, steps, summary), flush=True)
     recipe = " ".join(args.extra) or "default flags"
