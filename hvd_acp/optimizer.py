@@ -7,7 +7,7 @@ import numbers
 import os
 import weakref
 from collections import OrderedDict
-from typing import Any, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -131,6 +131,8 @@ class DistributedOptimizer(_LocalStep):
                 min_compression_rate=min_compression_rate, warmup_steps=warmup_steps,
                 seed=seed, backward_passes_per_step=backward_passes_per_step))
 
+        # Horovod's attribute, which user code reads to map names to parameters.
+        self._parameter_names = {p: n for n, p in sorted(named, key=lambda pair: pair[0])}
         names_by_param = {p: n for n, p in named}
         explicit_groups = None
         if groups is not None:
@@ -219,6 +221,16 @@ class DistributedOptimizer(_LocalStep):
     @property
     def reducer(self) -> ACPReducer:
         return self._reducer
+
+    @property
+    def parameter_names(self) -> Dict[torch.Tensor, str]:
+        """The name of every parameter of the wrapped optimizer, identical on every rank.
+
+        The given ``named_parameters`` or the generated
+        ``allreduce.noname.{group}.{index}``; the same mapping as Horovod's
+        ``optimizer._parameter_names`` (a copy).
+        """
+        return dict(self._parameter_names)
 
     def close(self) -> None:
         """Remove the gradient hooks; the parameters may then be wrapped again."""

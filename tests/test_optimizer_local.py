@@ -432,3 +432,15 @@ def test_non_floating_parameters_are_rejected():
         hvd_acp.DistributedOptimizer(inner, named_parameters=[("weight", weight),
                                                               ("counter", counter)],
                                      communicator=hvd_acp.LocalCommunicator())
+
+
+def test_generated_names_cover_every_group():
+    model = _mlp()
+    inner = torch.optim.SGD([{"params": list(model[0].parameters())},
+                             {"params": list(model[2].parameters()), "lr": 0.01}], lr=0.1)
+    opt = hvd_acp.DistributedOptimizer(inner, communicator=hvd_acp.LocalCommunicator())
+    assert opt._parameter_names == {model[0].weight: "allreduce.noname.0.0",
+                                    model[0].bias: "allreduce.noname.0.1",
+                                    model[2].weight: "allreduce.noname.1.0",
+                                    model[2].bias: "allreduce.noname.1.1"}
+    assert opt.parameter_names == opt._parameter_names
