@@ -46,6 +46,8 @@ class DistributedOptimizer(_LocalStep):
         named_parameters: (name, parameter) pairs naming every parameter of
             ``optimizer``; names must be unique and identical on all ranks.
             Defaults to ``allreduce.noname.{group}.{index}`` like Horovod.
+            A parameter that can never have a gradient (an integer or bool
+            tensor) is carried along, never hooked or sent.
         compression: ``hvd.Compression.none`` or ``hvd.Compression.fp16``,
             applied to each fused buffer on the wire.
         backward_passes_per_step: backward passes accumulated locally
@@ -133,17 +135,18 @@ class DistributedOptimizer(_LocalStep):
 
         # Horovod's attribute, which user code reads to map names to parameters.
         self._parameter_names = {p: n for n, p in sorted(named, key=lambda pair: pair[0])}
+        trained = [(n, p) for n, p in named if _can_have_grad(p)]
         names_by_param = {p: n for n, p in named}
         explicit_groups = None
         if groups is not None:
             explicit_groups = [[names_by_param[p] for p in g] for g in groups]
         elif num_groups:
-            ordered = [n for n, _ in named]
+            ordered = [n for n, _ in trained]
             size = -(-len(ordered) // num_groups)
             explicit_groups = [ordered[i:i + size] for i in range(0, len(ordered), size)]
 
         self._reducer = self.reducer_class(
-            named, communicator, matrix_rank=matrix_rank,
+            trained, communicator, matrix_rank=matrix_rank,
             fusion_threshold_bytes=fusion_threshold_bytes,
             min_compression_rate=min_compression_rate, warmup_steps=warmup_steps, seed=seed,
             backward_passes_per_step=backward_passes_per_step, groups=explicit_groups,
@@ -154,7 +157,7 @@ class DistributedOptimizer(_LocalStep):
         # The hooks die with the optimizer, so a model can be wrapped again
         # once the previous optimizer is gone (or closed).
         self._finalizer = weakref.finalize(self, self._reducer.remove_hooks)
-        for _, param in named:
+        for _, param in trained:
             param._hvd_acp_owner = weakref.ref(self)
         if isinstance(communicator, HorovodCommunicator):
             from .elastic import register_elastic_handler
@@ -409,7 +412,7 @@ def _validate(optimizer, named_parameters, compression, backward_passes_per_step
         if p in seen:
             raise ValueError(f"parameter {name!r} appears twice in the optimizer's param_groups")
         seen.add(p)
-        if not p.is_floating_point():
+        if p.is_complex():
             raise TypeError(f"parameter {name!r} has dtype {p.dtype}; only floating-point "
                             "parameters can be trained")
     if groups is not None:
@@ -418,6 +421,11 @@ def _validate(optimizer, named_parameters, compression, backward_passes_per_step
         if foreign or len(set(in_groups)) != len(in_groups):
             raise ValueError("groups must be disjoint lists of the optimizer's parameters")
     return named
+
+
+def _can_have_grad(param: torch.Tensor) -> bool:
+    """Only floating-point (and complex) tensors can require a gradient in torch."""
+    return param.is_floating_point() or param.is_complex()
 
 
 def _signature(named, **settings) -> Any:

@@ -424,13 +424,24 @@ def test_parameters_missing_from_named_parameters_are_rejected():
                                      communicator=hvd_acp.LocalCommunicator())
 
 
-def test_non_floating_parameters_are_rejected():
+def test_integer_parameters_are_carried_and_complex_ones_rejected():
     weight = nn.Parameter(torch.zeros(4, 4))
-    counter = torch.zeros(4, dtype=torch.int64)
+    counter = torch.arange(4, dtype=torch.int64)
     inner = torch.optim.SGD([{"params": [weight, counter]}], lr=0.1)
-    with pytest.raises(TypeError, match="'counter'.*torch.int64"):
-        hvd_acp.DistributedOptimizer(inner, named_parameters=[("weight", weight),
-                                                              ("counter", counter)],
+    opt = hvd_acp.DistributedOptimizer(inner, named_parameters=[("weight", weight),
+                                                                ("counter", counter)],
+                                       communicator=hvd_acp.LocalCommunicator())
+    assert list(opt.reducer.params) == ["weight"]
+    assert opt.parameter_names == {weight: "weight", counter: "counter"}
+    (weight * torch.arange(16.0).view(4, 4)).sum().backward()
+    opt.step()
+    assert torch.equal(counter, torch.arange(4)) and counter.grad is None
+    assert torch.count_nonzero(weight) > 0
+
+    complex_weight = nn.Parameter(torch.zeros(4, 4, dtype=torch.complex64))
+    with pytest.raises(TypeError, match="'z'.*torch.complex64"):
+        hvd_acp.DistributedOptimizer(torch.optim.SGD([complex_weight], lr=0.1),
+                                     named_parameters=[("z", complex_weight)],
                                      communicator=hvd_acp.LocalCommunicator())
 
 
