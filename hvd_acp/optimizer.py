@@ -5,6 +5,7 @@ import contextlib
 import logging
 import numbers
 import os
+import warnings
 import weakref
 from collections import OrderedDict
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -281,6 +282,14 @@ class DistributedOptimizer(_LocalStep):
                 "step(closure) is not supported: a closure re-runs backward, which would "
                 "start a second compressed all-reduce in the same step")
         if self._should_synchronize:
+            if self._synchronized:
+                # Horovod's warning, which tests in the wild look for: the
+                # pattern usually means skip_synchronize() was forgotten.
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize(). hvd.DistributedOptimizer "
+                              "would all-reduce again here; use `with "
+                              "optimizer.skip_synchronize(): optimizer.step()` after "
+                              "optimizer.synchronize().", UserWarning, stacklevel=2)
             if self._synchronized and not self._reducer.pending:
                 logger.debug("step() after synchronize(): nothing left to communicate")
             else:

@@ -348,7 +348,9 @@ def test_step_after_synchronize_uses_the_clipped_gradient(skip):
             with opt.skip_synchronize():
                 opt.step()
         else:
-            opt.step()
+            with pytest.warns(UserWarning, match=r"optimizer.step\(\) called without "
+                              r"optimizer.skip_synchronize\(\) context"):
+                opt.step()
         assert len(comm.launched) == launched
         for name, p in model.named_parameters():
             # clip_grad_norm_ divides by (norm + 1e-6): hence rtol.
