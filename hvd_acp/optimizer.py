@@ -30,6 +30,14 @@ class _LocalStep(torch.optim.Optimizer):
     """
 
     def step(self, closure=None):  # pylint: disable=arguments-differ
+        if isinstance(self._optimizer, torch.optim.SparseAdam):
+            # broadcast_optimizer_state makes the zero gradients of that
+            # initialization sparse only where ``isinstance`` shows it a
+            # SparseAdam, which a wrapper by composition is not.
+            for group in self.param_groups:
+                for param in group["params"]:
+                    if param.grad is not None and not param.grad.is_sparse:
+                        param.grad = param.grad.to_sparse()
         return self._optimizer.step(closure)
 
 
@@ -59,7 +67,9 @@ class DistributedOptimizer(_LocalStep):
         num_groups: split the parameters into this many explicit fusion
             groups (0: plan buffers by ``fusion_threshold_bytes``).
         groups: explicit fusion groups: a list of lists of parameters.
-        sparse_as_dense: densify sparse gradients (otherwise they raise).
+        sparse_as_dense: densify sparse gradients into the fused buffers and
+            hand the optimizer a sparse gradient again; otherwise they are
+            sent apart, uncompressed, as Horovod sends them.
         process_set: the Horovod process set to average over.
 
     ACP-SGD's own settings (keyword only):

@@ -1,4 +1,5 @@
 """hvd_acp.DistributedOptimizer in one process, through a LocalCommunicator."""
+import contextlib
 import re
 import warnings
 
@@ -457,3 +458,51 @@ def test_generated_names_cover_every_group():
                                     model[2].weight: "allreduce.noname.1.0",
                                     model[2].bias: "allreduce.noname.1.1"}
     assert opt.parameter_names == opt._parameter_names
+
+
+# ------------------------------------------------------------ sparse gradients
+def _embedding_steps(opt, emb, steps=3):
+    grads = []
+    for step in range(steps):
+        idx = torch.randint(0, 10, (6,), generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        emb(idx).pow(2).sum().backward()
+        if isinstance(opt, hvd_acp.DistributedOptimizer):
+            opt.synchronize()
+        grads.append(emb.weight.grad)
+        with getattr(opt, "skip_synchronize", contextlib.nullcontext)():
+            opt.step()
+    return grads
+
+
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_sparse_gradients_reach_sparse_adam_unchanged_in_one_process(sparse_as_dense):
+    torch.manual_seed(0)
+    emb, ref = nn.Embedding(10, 3, sparse=True), nn.Embedding(10, 3, sparse=True)
+    ref.load_state_dict(emb.state_dict())
+    comm = hvd_acp.LocalCommunicator()
+    opt = hvd_acp.DistributedOptimizer(torch.optim.SparseAdam(emb.parameters(), lr=0.1),
+                                       named_parameters=emb.named_parameters(),
+                                       communicator=comm, sparse_as_dense=sparse_as_dense)
+    plain = torch.optim.SparseAdam(ref.parameters(), lr=0.1)
+    for grad, ref_grad in zip(_embedding_steps(opt, emb), _embedding_steps(plain, ref)):
+        assert grad.is_sparse
+        assert_close(grad.to_dense(), ref_grad.to_dense())
+    assert_close(emb.weight, ref.weight)
+    # Sent apart, the sparse gradient is one more operation per step.
+    buffers = 1 if sparse_as_dense else 2
+    assert comm.stats.allreduces == 3 * buffers
+    assert any(".sparse." in name for name in comm.launched) != sparse_as_dense
+
+
+def test_sparse_gradient_without_a_sparse_reduction_names_the_way_out():
+    class DenseOnly(hvd_acp.LocalCommunicator):
+        sparse_allreduce_async = hvd_acp.Communicator.sparse_allreduce_async
+
+    emb = nn.Embedding(10, 3, sparse=True)
+    opt = hvd_acp.DistributedOptimizer(torch.optim.SparseAdam(emb.parameters()),
+                                       named_parameters=emb.named_parameters(),
+                                       communicator=DenseOnly())
+    with pytest.raises(NotImplementedError, match="DenseOnly.*sparse_as_dense=True"):
+        emb(torch.tensor([1, 2])).sum().backward()
+    del opt
