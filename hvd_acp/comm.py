@@ -62,6 +62,10 @@ class Communicator:
         """Wait for ``handle``; afterwards its tensor holds the result."""
         raise NotImplementedError
 
+    def included(self) -> bool:
+        """Whether this process takes part in the reductions (is in the process set)."""
+        return True
+
     def sparse_allreduce_async(self, tensor: Tensor, name: str) -> Any:
         """Start reducing the sparse ``tensor`` across ranks, uncompressed.
 
@@ -196,6 +200,10 @@ class HorovodCommunicator(Communicator):
         self._hvd.synchronize(handle.handle)
         if handle.sent is not handle.target:
             handle.target.copy_(self.compression.decompress(handle.sent, handle.ctx))
+
+    def included(self) -> bool:
+        # None (a process set not initialized) counts as outside, as in Horovod.
+        return bool(self.process_set.included())
 
     def sparse_allreduce_async(self, tensor: Tensor, name: str) -> Any:
         # Horovod's own sparse reduction (two allgathers), as its optimizer

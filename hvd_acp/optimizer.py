@@ -70,7 +70,9 @@ class DistributedOptimizer(_LocalStep):
         sparse_as_dense: densify sparse gradients into the fused buffers and
             hand the optimizer a sparse gradient again; otherwise they are
             sent apart, uncompressed, as Horovod sends them.
-        process_set: the Horovod process set to average over.
+        process_set: the Horovod process set to average over. On a rank
+            outside it nothing is hooked or communicated, and ``step()``
+            updates with the local gradients, as in Horovod.
 
     ACP-SGD's own settings (keyword only):
 
@@ -133,12 +135,14 @@ class DistributedOptimizer(_LocalStep):
         # others waiting in their first all-reduce. Elastic jobs skip this
         # collective: a worker that joins later builds its optimizer while the
         # others are inside Horovod's state sync; it is checked against rank
-        # 0's state in sync_compression_state() instead.
+        # 0's state in sync_compression_state() instead. A rank outside the
+        # process set communicates with no one, so its errors are its own.
         elastic = (isinstance(communicator, HorovodCommunicator)
                    and os.environ.get("HOROVOD_ELASTIC") == "1")
-        if elastic and error is not None:
+        local_only = elastic or not communicator.included()
+        if local_only and error is not None:
             raise error
-        if not elastic:
+        if not local_only:
             _agree(communicator, error, _signature(
                 named, matrix_rank=matrix_rank, fusion_threshold_bytes=fusion_threshold_bytes,
                 min_compression_rate=min_compression_rate, warmup_steps=warmup_steps,
@@ -260,8 +264,11 @@ class DistributedOptimizer(_LocalStep):
         and resets every rank's error feedback to zero, which is the one
         choice valid for any set of ranks: residuals are rank-local and
         meaningless on a rank that joined later. A collective: call it on
-        every rank. Elastic training calls it on every (re)start.
+        every rank (a rank outside the process set returns at once).
+        Elastic training calls it on every (re)start.
         """
+        if not self._comm.included():
+            return
         state = self._reducer.state_dict(with_error=False)
         state = self._comm.broadcast_object(state, root_rank, name="hvd_acp.sync_state")
         self._reducer.load_state_dict(state, reset_error_feedback=True)

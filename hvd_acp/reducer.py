@@ -104,6 +104,10 @@ class ACPReducer:
         self.compression_seconds = 0.0
         #: Steps whose averaged payload was non-finite (state repaired).
         self.nonfinite_steps = 0
+        #: False on a rank outside the communicator's process set: there, as
+        #: with Horovod's optimizer, no hook is registered and nothing is
+        #: communicated; the wrapped optimizer steps on the local gradients.
+        self.included = communicator.included()
 
         devices = {p.device for p in self.params.values()}
         if len(devices) > 1:
@@ -173,7 +177,7 @@ class ACPReducer:
     # ------------------------------------------------------------------ hooks
     def register_hooks(self) -> None:
         """Hook every parameter that requires a gradient and has no hook yet."""
-        if self._closed:
+        if self._closed or not self.included:
             return
         for name, param in self.params.items():
             if param.requires_grad and name not in self._hooks:
@@ -321,6 +325,8 @@ class ACPReducer:
         requires a gradient holds the averaged (reconstructed) gradient,
         identical on every rank.
         """
+        if not self.included:
+            return
         rnd = self._open_round()
         for bucket in rnd.buckets:
             for slot in bucket.slots:

@@ -506,3 +506,38 @@ def test_sparse_gradient_without_a_sparse_reduction_names_the_way_out():
     with pytest.raises(NotImplementedError, match="DenseOnly.*sparse_as_dense=True"):
         emb(torch.tensor([1, 2])).sum().backward()
     del opt
+
+
+# ----------------------------------------------------- outside the process set
+class _Outsider(hvd_acp.LocalCommunicator):
+    """A rank outside the process set: any collective would be an error."""
+
+    def included(self) -> bool:
+        return False
+
+    def _refuse(self, *args, **kwargs):
+        raise AssertionError("a collective ran on a rank outside the process set")
+
+    allreduce_async_ = synchronize = sparse_allreduce_async = _refuse
+    allgather_object = broadcast_object = _refuse
+
+    def size(self) -> int:
+        return 2
+
+
+def test_rank_outside_the_process_set_steps_locally_without_collectives():
+    model, local = _mlp(), _mlp()
+    opt, comm = _wrap(model, comm=_Outsider())
+    local_opt = torch.optim.SGD(local.parameters(), lr=0.1)
+    for step in range(3):
+        for o, m in ((opt, model), (local_opt, local)):
+            o.zero_grad()
+            _backward(m, _mlp_input(step))
+            o.step()
+    opt.sync_compression_state()
+    for (name, p), q in zip(model.named_parameters(), local.parameters()):
+        assert torch.equal(p, q), name
+    assert comm.stats.allreduces == 0 and opt.step_count == 0
+
+    with pytest.raises(ValueError, match="matrix_rank"):
+        _wrap(_mlp(), comm=_Outsider(), matrix_rank=0)
