@@ -24,7 +24,8 @@ class CommStats:
     """Counters of what this rank submitted to all-reduce.
 
     Attributes:
-        allreduces: number of all-reduce operations launched.
+        allreduces: number of all-reduce operations launched (a sparse
+            reduction, two allgathers, counts as one).
         bytes_sent: payload bytes handed to all-reduce (after wire
             compression such as fp16), i.e. what this rank contributes.
     """
@@ -61,6 +62,25 @@ class Communicator:
         """Wait for ``handle``; afterwards its tensor holds the result."""
         raise NotImplementedError
 
+    def included(self) -> bool:
+        """Whether this process takes part in the reductions (is in the process set)."""
+        return True
+
+    def sparse_allreduce_async(self, tensor: Tensor, name: str) -> Any:
+        """Start reducing the sparse ``tensor`` across ranks, uncompressed.
+
+        Every rank's indices and values are gathered, as Horovod sends sparse
+        gradients; the result is ``reduction_weight()`` times their sum.
+        Returns a handle for :meth:`synchronize_sparse`.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot reduce sparse tensors; pass sparse_as_dense=True "
+            "to send sparse gradients densely")
+
+    def synchronize_sparse(self, handle: Any) -> Tensor:
+        """Wait for a :meth:`sparse_allreduce_async` handle; returns the sparse result."""
+        raise NotImplementedError
+
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
         """Every rank's ``obj``, in rank order (a blocking collective)."""
         raise NotImplementedError
@@ -69,9 +89,10 @@ class Communicator:
         """``obj`` of ``root_rank`` on every rank (a blocking collective)."""
         raise NotImplementedError
 
-    def _count(self, tensor: Tensor) -> None:
+    def _count(self, *tensors: Tensor) -> None:
+        """Count one operation that sends ``tensors``."""
         self.stats.allreduces += 1
-        self.stats.bytes_sent += tensor.numel() * tensor.element_size()
+        self.stats.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
 
 
 class LocalCommunicator(Communicator):
@@ -104,6 +125,15 @@ class LocalCommunicator(Communicator):
     def synchronize(self, handle: Any) -> None:
         if self.scale != 1.0:
             handle.mul_(self.scale)
+
+    def sparse_allreduce_async(self, tensor: Tensor, name: str) -> Any:
+        tensor = tensor.coalesce()
+        self._count(tensor.indices(), tensor.values())
+        self.launched.append(name)
+        return tensor
+
+    def synchronize_sparse(self, handle: Any) -> Tensor:
+        return handle * self.scale if self.scale != 1.0 else handle
 
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
         return [obj]
@@ -170,6 +200,21 @@ class HorovodCommunicator(Communicator):
         self._hvd.synchronize(handle.handle)
         if handle.sent is not handle.target:
             handle.target.copy_(self.compression.decompress(handle.sent, handle.ctx))
+
+    def included(self) -> bool:
+        # None (a process set not initialized) counts as outside, as in Horovod.
+        return bool(self.process_set.included())
+
+    def sparse_allreduce_async(self, tensor: Tensor, name: str) -> Any:
+        # Horovod's own sparse reduction (two allgathers), as its optimizer
+        # sends sparse gradients: uncompressed, without pre- or postscale.
+        tensor = tensor.coalesce()
+        self._count(tensor.indices(), tensor.values())
+        return self._hvd.sparse_allreduce_async(tensor, name=name, op=self.op,
+                                                process_set=self.process_set)
+
+    def synchronize_sparse(self, handle: Any) -> Tensor:
+        return handle()
 
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
         # Like hvd.allgather_object, but over this communicator's process set.

@@ -5,9 +5,10 @@ import contextlib
 import logging
 import numbers
 import os
+import warnings
 import weakref
 from collections import OrderedDict
-from typing import Any, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -32,6 +33,14 @@ class _LocalStep(torch.optim.Optimizer):
     """
 
     def step(self, closure=None):  # pylint: disable=arguments-differ
+        if isinstance(self._optimizer, torch.optim.SparseAdam):
+            # broadcast_optimizer_state makes the zero gradients of that
+            # initialization sparse only where ``isinstance`` shows it a
+            # SparseAdam, which a wrapper by composition is not.
+            for group in self.param_groups:
+                for param in group["params"]:
+                    if param.grad is not None and not param.grad.is_sparse:
+                        param.grad = param.grad.to_sparse()
         return self._optimizer.step(closure)
 
 
@@ -49,6 +58,8 @@ class DistributedOptimizer(_LocalStep):
         named_parameters: (name, parameter) pairs naming every parameter of
             ``optimizer``; names must be unique and identical on all ranks.
             Defaults to ``allreduce.noname.{group}.{index}`` like Horovod.
+            A parameter that can never have a gradient (an integer or bool
+            tensor) is carried along, never hooked or sent.
         compression: ``hvd.Compression.none`` or ``hvd.Compression.fp16``,
             applied to each fused buffer on the wire.
         backward_passes_per_step: backward passes accumulated locally
@@ -59,8 +70,12 @@ class DistributedOptimizer(_LocalStep):
         num_groups: split the parameters into this many explicit fusion
             groups (0: plan buffers by ``fusion_threshold_bytes``).
         groups: explicit fusion groups: a list of lists of parameters.
-        sparse_as_dense: densify sparse gradients (otherwise they raise).
-        process_set: the Horovod process set to average over.
+        sparse_as_dense: densify sparse gradients into the fused buffers and
+            hand the optimizer a sparse gradient again; otherwise they are
+            sent apart, uncompressed, as Horovod sends them.
+        process_set: the Horovod process set to average over. On a rank
+            outside it nothing is hooked or communicated, and ``step()``
+            updates with the local gradients, as in Horovod.
 
     ACP-SGD's own settings (keyword only):
 
@@ -138,29 +153,34 @@ class DistributedOptimizer(_LocalStep):
         # others waiting in their first all-reduce. Elastic jobs skip this
         # collective: a worker that joins later builds its optimizer while the
         # others are inside Horovod's state sync; it is checked against rank
-        # 0's state in sync_compression_state() instead.
+        # 0's state in sync_compression_state() instead. A rank outside the
+        # process set communicates with no one, so its errors are its own.
         elastic = (isinstance(communicator, HorovodCommunicator)
                    and os.environ.get("HOROVOD_ELASTIC") == "1")
-        if elastic and error is not None:
+        local_only = elastic or not communicator.included()
+        if local_only and error is not None:
             raise error
-        if not elastic:
+        if not local_only:
             _agree(communicator, error, _signature(
                 named, matrix_rank=matrix_rank, fusion_threshold_bytes=fusion_threshold_bytes,
                 min_compression_rate=min_compression_rate, warmup_steps=warmup_steps,
                 seed=seed, backward_passes_per_step=backward_passes_per_step,
                 step_ahead=step_ahead))
 
+        # Horovod's attribute, which user code reads to map names to parameters.
+        self._parameter_names = {p: n for n, p in sorted(named, key=lambda pair: pair[0])}
+        trained = [(n, p) for n, p in named if _can_have_grad(p)]
         names_by_param = {p: n for n, p in named}
         explicit_groups = None
         if groups is not None:
             explicit_groups = [[names_by_param[p] for p in g] for g in groups]
         elif num_groups:
-            ordered = [n for n, _ in named]
+            ordered = [n for n, _ in trained]
             size = -(-len(ordered) // num_groups)
             explicit_groups = [ordered[i:i + size] for i in range(0, len(ordered), size)]
 
         self._reducer = self.reducer_class(
-            named, communicator, matrix_rank=matrix_rank,
+            trained, communicator, matrix_rank=matrix_rank,
             fusion_threshold_bytes=fusion_threshold_bytes,
             min_compression_rate=min_compression_rate, warmup_steps=warmup_steps, seed=seed,
             backward_passes_per_step=backward_passes_per_step, groups=explicit_groups,
@@ -173,7 +193,7 @@ class DistributedOptimizer(_LocalStep):
         # The hooks die with the optimizer, so a model can be wrapped again
         # once the previous optimizer is gone (or closed).
         self._finalizer = weakref.finalize(self, _release, self._reducer, self._step_ahead)
-        for _, param in named:
+        for _, param in trained:
             param._hvd_acp_owner = weakref.ref(self)
         if isinstance(communicator, HorovodCommunicator):
             from .elastic import register_elastic_handler
@@ -241,6 +261,16 @@ class DistributedOptimizer(_LocalStep):
     def reducer(self) -> ACPReducer:
         return self._reducer
 
+    @property
+    def parameter_names(self) -> Dict[torch.Tensor, str]:
+        """The name of every parameter of the wrapped optimizer, identical on every rank.
+
+        The given ``named_parameters`` or the generated
+        ``allreduce.noname.{group}.{index}``; the same mapping as Horovod's
+        ``optimizer._parameter_names`` (a copy).
+        """
+        return dict(self._parameter_names)
+
     def close(self) -> None:
         """Remove the gradient hooks; the parameters may then be wrapped again."""
         self._finalizer()
@@ -267,8 +297,11 @@ class DistributedOptimizer(_LocalStep):
         and resets every rank's error feedback to zero, which is the one
         choice valid for any set of ranks: residuals are rank-local and
         meaningless on a rank that joined later. A collective: call it on
-        every rank. Elastic training calls it on every (re)start.
+        every rank (a rank outside the process set returns at once).
+        Elastic training calls it on every (re)start.
         """
+        if not self._comm.included():
+            return
         state = self._reducer.state_dict(with_error=False)
         state = self._comm.broadcast_object(state, root_rank, name="hvd_acp.sync_state")
         self._step_ahead.restore(warn=False)
@@ -300,6 +333,14 @@ class DistributedOptimizer(_LocalStep):
                 "step(closure) is not supported: a closure re-runs backward, which would "
                 "start a second compressed all-reduce in the same step")
         if self._should_synchronize:
+            if self._synchronized:
+                # Horovod's warning, which tests in the wild look for: the
+                # pattern usually means skip_synchronize() was forgotten.
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize(). hvd.DistributedOptimizer "
+                              "would all-reduce again here; use `with "
+                              "optimizer.skip_synchronize(): optimizer.step()` after "
+                              "optimizer.synchronize().", UserWarning, stacklevel=2)
             if self._synchronized and not self._reducer.pending:
                 logger.debug("step() after synchronize(): nothing left to communicate")
             else:
@@ -449,7 +490,7 @@ def _validate(optimizer, named_parameters, compression, backward_passes_per_step
         if p in seen:
             raise ValueError(f"parameter {name!r} appears twice in the optimizer's param_groups")
         seen.add(p)
-        if not p.is_floating_point():
+        if p.is_complex():
             raise TypeError(f"parameter {name!r} has dtype {p.dtype}; only floating-point "
                             "parameters can be trained")
     if groups is not None:
@@ -458,6 +499,11 @@ def _validate(optimizer, named_parameters, compression, backward_passes_per_step
         if foreign or len(set(in_groups)) != len(in_groups):
             raise ValueError("groups must be disjoint lists of the optimizer's parameters")
     return named
+
+
+def _can_have_grad(param: torch.Tensor) -> bool:
+    """Only floating-point (and complex) tensors can require a gradient in torch."""
+    return param.is_floating_point() or param.is_complex()
 
 
 def _signature(named, **settings) -> Any:

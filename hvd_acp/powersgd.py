@@ -61,6 +61,8 @@ class PowerSGDReducer(ACPReducer):
         for bucket in rnd.buckets:
             for slot in bucket.slots:
                 lay = self.layouts[slot.name]
+                if slot.name in rnd.sparse:
+                    continue                       # sent apart, see ACPReducer._take
                 if lay.compressed:
                     self.p_factors[slot.name].copy_(self._slot_view(rnd, slot.name))
                     compressed.append(slot.name)

@@ -15,6 +15,12 @@ the optimizer's update:
    averaged gradient into ``p.grad``, commits the averaged factors and moves
    to the next phase.
 
+A sparse gradient (``nn.Embedding(sparse=True)``) travels as Horovod sends
+it: uncompressed, its indices and values gathered from every rank apart
+from the fused buffers, where its slot carries a zero gradient. With
+``sparse_as_dense`` it is densified into its slot instead, like any dense
+gradient, and handed back to the optimizer as a sparse tensor.
+
 It knows nothing of the wrapped torch optimizer.
 """
 from __future__ import annotations
@@ -53,6 +59,8 @@ class _Round:
         self.filled: Dict[str, bool] = {}     # name -> gradient was present
         self.ready = [0] * len(buckets)
         self.handles: Dict[int, object] = {}
+        self.sparse: Dict[str, object] = {}    # name -> handle of its sparse reduction
+        self.densified: Dict[str, int] = {}    # name -> sparse_dim of the gradient received
 
 
 class ACPReducer:
@@ -69,7 +77,8 @@ class ACPReducer:
         seed: seed of the generator that draws the initial factors.
         backward_passes_per_step: backward passes accumulated per step.
         groups: optional explicit fusion groups, lists of parameter names.
-        sparse_as_dense: densify sparse gradients instead of raising.
+        sparse_as_dense: densify sparse gradients into the fused buffers
+            instead of sending them apart.
         name_prefix: first component of the all-reduce names.
         diagnostics: record one :class:`~hvd_acp.diagnostics.StepRecord` per
             step in :attr:`diagnostics` (costs a few passes per gradient).
@@ -102,6 +111,10 @@ class ACPReducer:
         self.diagnostics: Optional[List[dict]] = [] if diagnostics else None
         self._record: Optional[StepRecord] = None
         self._previous_bases: Dict[Tuple[Phase, str], Tensor] = {}
+        #: False on a rank outside the communicator's process set: there, as
+        #: with Horovod's optimizer, no hook is registered and nothing is
+        #: communicated; the wrapped optimizer steps on the local gradients.
+        self.included = communicator.included()
 
         devices = {p.device for p in self.params.values()}
         if len(devices) > 1:
@@ -182,7 +195,7 @@ class ACPReducer:
     # ------------------------------------------------------------------ hooks
     def register_hooks(self) -> None:
         """Hook every parameter that requires a gradient and has no hook yet."""
-        if self._closed:
+        if self._closed or not self.included:
             return
         for name, param in self.params.items():
             if param.requires_grad and name not in self._hooks:
@@ -211,17 +224,23 @@ class ACPReducer:
                 "accumulate gradients locally, or call step() after each backward.")
         self._passes[name] = passes
         if passes == self.backward_passes_per_step:
-            self._fill(name, self._dense_grad(name, param))
+            self._take(name, param)
 
-    def _dense_grad(self, name: str, param: Tensor) -> Optional[Tensor]:
+    def _take(self, name: str, param: Tensor) -> None:
+        """Send this rank's gradient of ``name``: into its slot or, if sparse, apart."""
         grad = param.grad
-        if grad is not None and grad.is_sparse:
-            if not self.sparse_as_dense:
-                raise ValueError(
-                    f"parameter {name!r} has a sparse gradient; ACP-SGD compresses dense "
-                    "matrices: pass sparse_as_dense=True to densify it")
-            grad = param.grad = grad.to_dense()
-        return grad
+        if grad is None or not grad.is_sparse:
+            self._fill(name, grad)
+        elif self.sparse_as_dense:
+            self._open_round().densified[name] = grad.sparse_dim()
+            param.grad = grad.to_dense()
+            self._fill(name, param.grad)
+        else:
+            # The slot still carries a zero gradient, so that its buffer
+            # completes and launches as on every rank.
+            self._fill(name, None)
+            self._round.sparse[name] = self.comm.sparse_allreduce_async(
+                grad, f"{self.name_prefix}.sparse.{name}")
 
     # ------------------------------------------------------------------ round
     @property
@@ -324,12 +343,15 @@ class ACPReducer:
         requires a gradient holds the averaged (reconstructed) gradient,
         identical on every rank.
         """
+        if not self.included:
+            return
         rnd = self._open_round()
         for bucket in rnd.buckets:
             for slot in bucket.slots:
                 if slot.name not in rnd.filled:
-                    self._fill(slot.name, self._dense_grad(slot.name, self.params[slot.name]))
+                    self._take(slot.name, self.params[slot.name])
         self._complete(rnd)
+        self._complete_sparse(rnd)
         self._round = None
         for name in self._passes:
             self._passes[name] = 0
@@ -353,10 +375,24 @@ class ACPReducer:
             started = time.perf_counter()
             bad = self._nonfinite_slots(rnd, [b_index])
             for slot in bucket.slots:
-                self._write_grad(rnd, slot.name, slot.name not in bad)
+                if slot.name not in rnd.sparse:
+                    self._write_grad(rnd, slot.name, slot.name not in bad)
             nonfinite |= bad
             self.compression_seconds += time.perf_counter() - started
         self._count_nonfinite(nonfinite)
+
+    def _complete_sparse(self, rnd: _Round) -> None:
+        """Hand the optimizer a sparse ``p.grad`` where the gradient arrived sparse.
+
+        The gathered result is identical on every rank; a densified gradient
+        keeps the rows (``sparse_dim``) where the average is nonzero, as
+        Horovod converts it back.
+        """
+        for name, handle in rnd.sparse.items():
+            self.params[name].grad = self.comm.synchronize_sparse(handle)
+        for name, sparse_dim in rnd.densified.items():
+            param = self.params[name]
+            param.grad = param.grad.to_sparse(sparse_dim)
 
     def _count_nonfinite(self, names: set) -> None:
         if names:

@@ -129,7 +129,9 @@ class StepAhead:
 
     def after_step(self) -> None:
         """Called once the true weights were updated: shift before the next forward."""
-        self.pending = bool(self.step_ahead) and bool(self.reducer.errors)
+        # A rank outside the process set sends nothing and keeps no residual.
+        self.pending = (bool(self.step_ahead) and bool(self.reducer.errors)
+                        and self.reducer.included)
 
     def _groups(self) -> Dict[int, Tuple[dict, dict]]:
         found = {}

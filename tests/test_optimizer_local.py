@@ -1,4 +1,5 @@
 """hvd_acp.DistributedOptimizer in one process, through a LocalCommunicator."""
+import contextlib
 import re
 import warnings
 
@@ -349,7 +350,9 @@ def test_step_after_synchronize_uses_the_clipped_gradient(skip):
             with opt.skip_synchronize():
                 opt.step()
         else:
-            opt.step()
+            with pytest.warns(UserWarning, match=r"optimizer.step\(\) called without "
+                              r"optimizer.skip_synchronize\(\) context"):
+                opt.step()
         assert len(comm.launched) == launched
         for name, p in model.named_parameters():
             # clip_grad_norm_ divides by (norm + 1e-6): hence rtol.
@@ -425,11 +428,117 @@ def test_parameters_missing_from_named_parameters_are_rejected():
                                      communicator=hvd_acp.LocalCommunicator())
 
 
-def test_non_floating_parameters_are_rejected():
+def test_integer_parameters_are_carried_and_complex_ones_rejected():
     weight = nn.Parameter(torch.zeros(4, 4))
-    counter = torch.zeros(4, dtype=torch.int64)
+    counter = torch.arange(4, dtype=torch.int64)
     inner = torch.optim.SGD([{"params": [weight, counter]}], lr=0.1)
-    with pytest.raises(TypeError, match="'counter'.*torch.int64"):
-        hvd_acp.DistributedOptimizer(inner, named_parameters=[("weight", weight),
-                                                              ("counter", counter)],
+    opt = hvd_acp.DistributedOptimizer(inner, named_parameters=[("weight", weight),
+                                                                ("counter", counter)],
+                                       communicator=hvd_acp.LocalCommunicator())
+    assert list(opt.reducer.params) == ["weight"]
+    assert opt.parameter_names == {weight: "weight", counter: "counter"}
+    (weight * torch.arange(16.0).view(4, 4)).sum().backward()
+    opt.step()
+    assert torch.equal(counter, torch.arange(4)) and counter.grad is None
+    assert torch.count_nonzero(weight) > 0
+
+    complex_weight = nn.Parameter(torch.zeros(4, 4, dtype=torch.complex64))
+    with pytest.raises(TypeError, match="'z'.*torch.complex64"):
+        hvd_acp.DistributedOptimizer(torch.optim.SGD([complex_weight], lr=0.1),
+                                     named_parameters=[("z", complex_weight)],
                                      communicator=hvd_acp.LocalCommunicator())
+
+
+def test_generated_names_cover_every_group():
+    model = _mlp()
+    inner = torch.optim.SGD([{"params": list(model[0].parameters())},
+                             {"params": list(model[2].parameters()), "lr": 0.01}], lr=0.1)
+    opt = hvd_acp.DistributedOptimizer(inner, communicator=hvd_acp.LocalCommunicator())
+    assert opt._parameter_names == {model[0].weight: "allreduce.noname.0.0",
+                                    model[0].bias: "allreduce.noname.0.1",
+                                    model[2].weight: "allreduce.noname.1.0",
+                                    model[2].bias: "allreduce.noname.1.1"}
+    assert opt.parameter_names == opt._parameter_names
+
+
+# ------------------------------------------------------------ sparse gradients
+def _embedding_steps(opt, emb, steps=3):
+    grads = []
+    for step in range(steps):
+        idx = torch.randint(0, 10, (6,), generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        emb(idx).pow(2).sum().backward()
+        if isinstance(opt, hvd_acp.DistributedOptimizer):
+            opt.synchronize()
+        grads.append(emb.weight.grad)
+        with getattr(opt, "skip_synchronize", contextlib.nullcontext)():
+            opt.step()
+    return grads
+
+
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_sparse_gradients_reach_sparse_adam_unchanged_in_one_process(sparse_as_dense):
+    torch.manual_seed(0)
+    emb, ref = nn.Embedding(10, 3, sparse=True), nn.Embedding(10, 3, sparse=True)
+    ref.load_state_dict(emb.state_dict())
+    comm = hvd_acp.LocalCommunicator()
+    opt = hvd_acp.DistributedOptimizer(torch.optim.SparseAdam(emb.parameters(), lr=0.1),
+                                       named_parameters=emb.named_parameters(),
+                                       communicator=comm, sparse_as_dense=sparse_as_dense)
+    plain = torch.optim.SparseAdam(ref.parameters(), lr=0.1)
+    for grad, ref_grad in zip(_embedding_steps(opt, emb), _embedding_steps(plain, ref)):
+        assert grad.is_sparse
+        assert_close(grad.to_dense(), ref_grad.to_dense())
+    assert_close(emb.weight, ref.weight)
+    # Sent apart, the sparse gradient is one more operation per step.
+    buffers = 1 if sparse_as_dense else 2
+    assert comm.stats.allreduces == 3 * buffers
+    assert any(".sparse." in name for name in comm.launched) != sparse_as_dense
+
+
+def test_sparse_gradient_without_a_sparse_reduction_names_the_way_out():
+    class DenseOnly(hvd_acp.LocalCommunicator):
+        sparse_allreduce_async = hvd_acp.Communicator.sparse_allreduce_async
+
+    emb = nn.Embedding(10, 3, sparse=True)
+    opt = hvd_acp.DistributedOptimizer(torch.optim.SparseAdam(emb.parameters()),
+                                       named_parameters=emb.named_parameters(),
+                                       communicator=DenseOnly())
+    with pytest.raises(NotImplementedError, match="DenseOnly.*sparse_as_dense=True"):
+        emb(torch.tensor([1, 2])).sum().backward()
+    del opt
+
+
+# ----------------------------------------------------- outside the process set
+class _Outsider(hvd_acp.LocalCommunicator):
+    """A rank outside the process set: any collective would be an error."""
+
+    def included(self) -> bool:
+        return False
+
+    def _refuse(self, *args, **kwargs):
+        raise AssertionError("a collective ran on a rank outside the process set")
+
+    allreduce_async_ = synchronize = sparse_allreduce_async = _refuse
+    allgather_object = broadcast_object = _refuse
+
+    def size(self) -> int:
+        return 2
+
+
+def test_rank_outside_the_process_set_steps_locally_without_collectives():
+    model, local = _mlp(), _mlp()
+    opt, comm = _wrap(model, comm=_Outsider())
+    local_opt = torch.optim.SGD(local.parameters(), lr=0.1)
+    for step in range(3):
+        for o, m in ((opt, model), (local_opt, local)):
+            o.zero_grad()
+            _backward(m, _mlp_input(step))
+            o.step()
+    opt.sync_compression_state()
+    for (name, p), q in zip(model.named_parameters(), local.parameters()):
+        assert torch.equal(p, q), name
+    assert comm.stats.allreduces == 0 and opt.step_count == 0
+
+    with pytest.raises(ValueError, match="matrix_rank"):
+        _wrap(_mlp(), comm=_Outsider(), matrix_rank=0)

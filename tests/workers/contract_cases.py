@@ -255,29 +255,21 @@ def case_horovod_args():
     assert opt.comm_stats.allreduces == 2 * 2
     opt.close()
 
-    # sparse gradients
+    # sparse gradients, sent apart or densified (see also swap_cases.py)
     torch.manual_seed(0)
     emb = torch.nn.Embedding(20, 6, sparse=True)
-    opt = hvd_acp.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1),
-                                       [("emb.weight", emb.weight)], matrix_rank=2)
     idx = torch.tensor([1, 2, 3 + hvd.rank()])
-    try:
-        emb(idx).sum().backward()
-    except ValueError as exc:
-        assert "emb.weight" in str(exc) and "sparse_as_dense" in str(exc)
-    else:
-        raise AssertionError("sparse gradient accepted without sparse_as_dense")
-    opt.close()
-    emb.weight.grad = None
-    opt = hvd_acp.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1),
-                                       [("emb.weight", emb.weight)], matrix_rank=2,
-                                       sparse_as_dense=True)
-    for _ in range(3):
-        opt.zero_grad()
-        emb(idx).sum().backward()
-        opt.step()
-    assert_replicas_identical(emb.weight.detach().reshape(-1))
-    opt.close()
+    for sparse_as_dense in (False, True):
+        opt = hvd_acp.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1),
+                                           [("emb.weight", emb.weight)], matrix_rank=2,
+                                           sparse_as_dense=sparse_as_dense)
+        for _ in range(3):
+            opt.zero_grad()
+            emb(idx).sum().backward()
+            opt.step()
+            assert emb.weight.grad.is_sparse
+        assert_replicas_identical(emb.weight.detach().reshape(-1))
+        opt.close()
 
     try:
         acp(mlp(), op=hvd.Adasum)
