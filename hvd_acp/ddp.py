@@ -157,7 +157,10 @@ class ACPState:
         compression_seconds: wall time of the compression maths (hook and
             callbacks), for benchmarks.
         nonfinite_steps: iterations whose averaged payload held inf or NaN
-            (e.g. an fp16 overflow): factors kept, residuals reset.
+            (e.g. an fp16 overflow, on any rank): the affected tensors keep
+            their factors and restart their residuals from zero on every
+            rank, and the non-finite gradient reaches ``p.grad``, where a
+            ``GradScaler`` sees it and skips the step.
 
     One state serves one model: registering it on a second model raises.
     Every rank must pass the same settings (checked once, on the first
@@ -192,6 +195,7 @@ class ACPState:
         self._complete = self._named
         self._iteration_open = False
         self._agreed = False
+        self._last_nonfinite: Optional[int] = None
         self._lock = threading.Lock()
         if named_parameters is not None:
             seen = set()
@@ -396,7 +400,7 @@ class ACPState:
             raise ValueError("hvd_acp state has entries for parameters this model does not "
                              f"have: {sorted(self._pending)}")
         layouts = [self._layouts[n] for n in names]
-        phase = self.phase
+        phase, iteration = self.phase, self.step_count
         world_size = self._world_size()
 
         started = time.perf_counter()
@@ -440,7 +444,9 @@ class ACPState:
                     grad.copy_(slot.view(grad.shape))
             if bad:
                 with self._lock:
-                    self.nonfinite_steps += 1
+                    if self._last_nonfinite != iteration:
+                        self._last_nonfinite = iteration
+                        self.nonfinite_steps += 1
                 logger.info("non-finite averaged gradient for %d tensor(s) of bucket %d: "
                             "factors kept, error feedback reset", len(bad), bucket.index())
             self._spent(time.perf_counter() - started)

@@ -19,7 +19,8 @@ import hvd_acp.ddp
 from hvd_acp.compression import Phase
 from tests.hvdrun import REPO, WORKERS, rank_lines
 
-TWO_RANK_CASES = ["replicas", "full_rank", "error_feedback", "no_sync", "unused", "dtypes", "checkpoint", "errors"]
+TWO_RANK_CASES = ["replicas", "full_rank", "error_feedback", "no_sync", "unused", "dtypes",
+                  "nonfinite", "checkpoint", "errors"]
 
 NO_HOROVOD = textwrap.dedent("""
     import importlib.abc, sys

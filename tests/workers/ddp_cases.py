@@ -311,6 +311,34 @@ def case_dtypes(_):
     assert_replicas_identical(flat(model.module))
 
 
+def case_nonfinite(_):
+    """An overflow on one rank: every rank keeps the factors, resets the
+    residuals and sees the non-finite gradient (so a GradScaler would skip
+    the step); training then goes on with identical replicas."""
+    module = build(Mixed)
+    state = hvd_acp.ddp.ACPState(matrix_rank=2, named_parameters=module.named_parameters())
+    model = ddp(module, state, bucket_cap_mb=0.002)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for i in range(3):
+        step(model, opt, *batch(rank(), i))
+    before = state.state_dict()["params"]
+    assert state.phase is Phase.Q and all(e["error"].any() for e in before.values())
+    opt.zero_grad()
+    x, y = batch(rank(), 3)
+    (F.cross_entropy(model(x), y) * (float("inf") if rank() == 1 else 1.0)).backward()
+    assert state.nonfinite_steps == 1
+    for name, entry in state.state_dict()["params"].items():
+        assert torch.equal(entry["Q"], before[name]["Q"]), name
+        assert not entry["error"].any(), name
+    assert not torch.isfinite(model.module.fc1.weight.grad).all()
+    for i in range(4, 8):                  # the overflowing step skipped, as GradScaler does
+        step(model, opt, *batch(rank(), i))
+    assert state.nonfinite_steps == 1
+    params = flat(model.module)
+    assert torch.isfinite(params).all()
+    assert_replicas_identical(params)
+
+
 def case_checkpoint(directory):
     """(a) every rank saves and resumes its own state: bit for bit;
     (b) every rank loads rank 0's file with the residuals reset."""
