@@ -5,19 +5,15 @@ Single-process checks of the state, then the multi-rank cases of
 """
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 import hvd_acp.ddp
 from hvd_acp.compression import Phase
-from tests.hvdrun import REPO, WORKERS, rank_lines
+from tests.hvdrun import rank_lines, run_with_timeout, torchrun
 
 TWO_RANK_CASES = ["replicas", "full_rank", "error_feedback", "no_sync", "unused", "dtypes",
                   "nonfinite", "checkpoint", "errors"]
@@ -30,28 +26,6 @@ NO_HOROVOD = textwrap.dedent("""
                 raise ImportError("horovod is blocked")
     sys.meta_path.insert(0, NoHorovod())
 """)
-
-
-def _run(cmd, timeout: float, what: str) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, cwd=REPO, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{what} timed out after {timeout}s (a hang?)\n{out[-6000:]}")
-    return out
-
-
-def torchrun(script: str, *args: str, np: int, timeout: float) -> str:
-    """Run ``tests/workers/<script>`` on ``np`` local ranks; returns the output."""
-    launcher = Path(sys.executable).with_name("torchrun")
-    cmd = [str(launcher), "--standalone", "--nproc-per-node", str(np),
-           str(WORKERS / script), *args]
-    return _run(cmd, timeout, f"torchrun {script} {' '.join(args)}")
 
 
 def ok_ranks(output: str, case: str) -> list:
@@ -162,7 +136,7 @@ def test_ddp_hook_imports_and_trains_without_horovod(tmp_path):
         dist.destroy_process_group()
         print("OK no-horovod")
     """)
-    out = _run([sys.executable, "-c", script], timeout=90, what="world of one")
+    out = run_with_timeout([sys.executable, "-c", script], 90, "world of one")
     assert "OK no-horovod" in out, out[-4000:]
 
 
