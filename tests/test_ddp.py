@@ -5,6 +5,7 @@ Single-process checks of the state, then the multi-rank cases of
 """
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
 
@@ -13,7 +14,7 @@ import torch
 
 import hvd_acp.ddp
 from hvd_acp.compression import Phase
-from tests.hvdrun import rank_lines, run_with_timeout, torchrun
+from tests.hvdrun import run_with_timeout, torchrun
 
 TWO_RANK_CASES = ["replicas", "full_rank", "error_feedback", "no_sync", "unused", "dtypes",
                   "nonfinite", "checkpoint", "errors"]
@@ -29,7 +30,7 @@ NO_HOROVOD = textwrap.dedent("""
 
 
 def ok_ranks(output: str, case: str) -> list:
-    return sorted(int(line.split()[-1]) for line in rank_lines(output, "OK " + case))
+    return sorted(int(r) for r in re.findall(rf"^OK {re.escape(case)} (\d+)$", output, re.M))
 
 
 # ---------------------------------------------------------------- one process

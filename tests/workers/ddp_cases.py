@@ -2,7 +2,8 @@
 
 Usage: ``torchrun --standalone --nproc-per-node N ddp_cases.py [--dir DIR] CASE...``.
 Each rank prints ``OK <case> <rank>`` when every assertion of the case held
-on that rank, ``FAIL <case> <rank>`` and the traceback otherwise.
+on that rank, ``FAIL <case> <rank>`` and the traceback otherwise (and the
+remaining cases are skipped).
 
 Horovod is made unimportable first: the DDP path must not need it.
 """
@@ -432,6 +433,13 @@ def case_errors(_):
                  lambda: F.cross_entropy(model(x), y).backward())
 
 
+def report(text):
+    """One write per line: the ranks share the launcher's pipe, and lines
+    written in pieces interleave."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), f"{text}\n".encode())
+
+
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
@@ -445,9 +453,9 @@ def main():
         try:
             CASES[case](args.dir)
             dist.barrier()
-            print(f"OK {case} {rank()}", flush=True)
-        except Exception:  # noqa: BLE001 - reported, the next case still runs
-            print(f"FAIL {case} {rank()}\n{traceback.format_exc()}", flush=True)
+            report(f"OK {case} {rank()}")
+        except Exception:  # noqa: BLE001 - reported, then the run stops
+            report(f"FAIL {case} {rank()}\n{traceback.format_exc()}")
             break
     assert not any(m == "horovod" or m.startswith("horovod.") for m in sys.modules)
     dist.destroy_process_group()
