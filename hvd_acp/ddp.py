@@ -28,10 +28,10 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .comm import CommStats
-from .compression import (Phase, compress_, compute_dtype, feedback_, init_factor,
+from .compression import (Phase, compress_, compute_dtype, init_factor, local_residual_,
                           orthonormalize_, reconstruct_)
 from .fusion import TensorLayout, make_layouts
-from .reducer import STATE_FORMAT_VERSION
+from .reducer import STATE_FORMAT_VERSION, check_state_version
 
 __all__ = ["ACPState", "acp_hook"]
 
@@ -76,22 +76,23 @@ class _Factors:
             basis: shape (m, r) ``Qh`` for a P step, (n, r) ``Ph`` for a Q step.
             out: shape (n, r) for P, (m, r) for Q; a view into the bucket's payload.
 
-        Modifies ``error`` in place: it holds ``A = M + E`` until :meth:`apply`.
+        Modifies ``error`` in place: afterwards it holds this rank's unsent
+        part, ``E = A - out @ basis.T`` with ``A = M + E``.
         """
         lay = self.layout
-        matrix = grad.reshape(lay.n, lay.m).to(lay.dtype)
-        if phase is Phase.P:
-            compress_(matrix, self.error, basis, out)
-        else:
-            compress_(matrix.t(), self.error.t(), basis, out)
+        matrix, error = grad.reshape(lay.n, lay.m).to(lay.dtype), self.error
+        if phase is Phase.Q:
+            matrix, error = matrix.t(), error.t()
+        compress_(matrix, error, basis, out)          # A = M + E, out = A B
+        local_residual_(error, out, basis)            # E = A - out B^T
 
     def apply(self, phase: Phase, averaged: Tensor, basis: Tensor, target: Tensor,
               commit: bool) -> None:
         """The averaged gradient ``G`` into ``target`` (n, m), from the averaged factor.
 
         With ``commit`` the averaged factor becomes the one reused by the next
-        step and the residual becomes ``E = A - G``; without (a non-finite
-        payload) the factor is kept and the residual restarts from zero.
+        step; without (a non-finite payload) the factor is kept and the
+        residual restarts from zero.
         """
         factor = averaged.to(self.layout.dtype)
         if commit:
@@ -101,9 +102,7 @@ class _Factors:
             reconstruct_(target, factor, basis)            # G = P Qh^T
         else:
             reconstruct_(target, basis, factor)            # G = Ph Q^T
-        if commit:
-            feedback_(self.error, target)                  # E = A - G
-        else:
+        if not commit:
             self.error.zero_()
 
 
@@ -298,10 +297,7 @@ class ACPState:
             state: as returned by :meth:`state_dict` (possibly another rank's).
             reset_error_feedback: zero the residuals instead of loading them.
         """
-        version = state.get("version")
-        if version != STATE_FORMAT_VERSION:
-            raise ValueError(f"unsupported hvd_acp state format version {version!r}; "
-                             f"this version reads {STATE_FORMAT_VERSION}")
+        check_state_version(state, reset_error_feedback)
         saved = dict(state["params"])
         if self._complete:
             missing = sorted(set(self._factors) - set(saved))
@@ -472,15 +468,16 @@ def acp_hook(state: ACPState, bucket: dist.GradBucket) -> torch.futures.Future[t
        previous iteration (``Qh = orth(Q)`` in a P step, ``Ph = orth(P)``
        in a Q step; same-shaped factors in one batched QR call).
     3. Adds each compressed gradient to this rank's residual,
-       ``A = M + E``, and writes this rank's factor ``A Qh`` (P step) or
-       ``A^T Ph`` (Q step) into one flat payload, next to the uncompressed
-       tensors of the bucket.
+       ``A = M + E``, writes this rank's factor ``P_i = A Qh`` (P step) or
+       ``Q_i = A^T Ph`` (Q step) into one flat payload, next to the
+       uncompressed tensors of the bucket, and keeps what the factor does
+       not carry, ``E = A - P_i Qh^T`` (or ``A - Ph Q_i^T``).
     4. Starts one asynchronous ``all_reduce`` of the payload: the only
        communication of the bucket in this iteration.
     5. In the future's callback, averages, rebuilds each compressed
        gradient ``G = P Qh^T`` (or ``Ph Q^T``) into the bucket, keeps the
-       averaged factor for the next iteration, sets ``E = A - G`` and
-       copies the averaged uncompressed tensors back.
+       averaged factor for the next iteration and copies the averaged
+       uncompressed tensors back.
 
     The phase flips once per iteration, after the last bucket. Iterations
     under ``no_sync()`` do not reach the hook: the accumulated gradient is

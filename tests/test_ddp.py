@@ -98,6 +98,11 @@ def test_named_state_round_trip_and_mismatches():
 
     with pytest.raises(ValueError, match="unsupported hvd_acp state format version"):
         other.load_state_dict(dict(saved, version=99))
+    # Format 1 held residuals against the averaged gradient: factors only.
+    with pytest.raises(ValueError, match="state format 1.*reset_error_feedback=True"):
+        other.load_state_dict(dict(saved, version=1))
+    other.load_state_dict(dict(saved, version=1), reset_error_feedback=True)
+    assert not other.state_dict()["params"]["fc1.weight"]["error"].any()
     wider = hvd_acp.ddp.ACPState(matrix_rank=3, min_compression_rate=0,
                                   named_parameters=net.named_parameters())
     with pytest.raises(ValueError, match=r"P has shape \(16, 2\), expected \(16, 3\)"):
