@@ -15,11 +15,14 @@ is not imported.
 """
 # No ``from __future__ import annotations``: DDP compares the hook's
 # annotations with the real ``dist.GradBucket`` and ``Future[Tensor]`` types.
+import contextlib
 import functools
 import logging
+import math
 import numbers
 import threading
 import time
+import weakref
 from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
@@ -31,13 +34,17 @@ from .comm import CommStats
 from .compression import (Phase, compress_, compute_dtype, init_factor, local_residual_,
                           orthonormalize_, reconstruct_)
 from .fusion import TensorLayout, make_layouts
+from .optimizer import DEFAULT_STEP_AHEAD
 from .reducer import STATE_FORMAT_VERSION, check_state_version
+from .stepahead import StepAhead
 
 __all__ = ["ACPState", "acp_hook"]
 
 logger = logging.getLogger(__name__)
 
-#: Names given to parameters when ``named_parameters`` is not passed.
+#: Names of parameters without ``named_parameters``: by position in the
+#: optimizer's param_groups, else in DDP's first backward pass.
+_GROUP_NAME = "group.{}.{}"
 _AUTO_NAME = "param.{}"
 
 
@@ -136,6 +143,22 @@ class ACPState:
        (biases, norms), are averaged exactly in the same all-reduce.
        0 compresses every matrix.
 
+    4. ``optimizer`` and ``step_ahead``: step-ahead error feedback, the
+       default of ``hvd_acp.DistributedOptimizer``. With the torch optimizer
+       of the DDP model, each rank computes its next gradient at
+       ``w - step_ahead * lr / (1 - momentum) * E_i`` (Adam-family:
+       ``w - step_ahead * lr * E_i / (sqrt(v_hat) + eps)``), where the
+       residual it still owes will take the weights. That keeps ACP-SGD
+       stable at the learning rates plain averaging trains at (scaled by the
+       number of ranks, momentum 0.9), where the residual otherwise feeds
+       back late and momentum amplifies it (docs/convergence.md). It sends
+       nothing more. The parameters hold the true weights, identical on
+       every rank, between ``optimizer.step()`` and the next training
+       forward pass (the shift is applied by a module forward pre-hook and
+       removed by an optimizer step pre-hook); :meth:`true_weights` gives
+       them in between. Without ``optimizer``, or with ``step_ahead=0``,
+       gradients are taken at the true weights.
+
     Other arguments:
 
     Args:
@@ -144,10 +167,11 @@ class ACPState:
             factors: identical on every rank, the global RNG untouched.
         named_parameters: ``model.named_parameters()`` of the DDP model, to
             key the state (and checkpoints) by parameter name. Without it,
-            parameters are named ``param.0``, ``param.1``, ... in the order
-            of DDP's first backward pass, which is stable for the same model
-            and DDP settings; with it, a checkpoint survives a change of
-            ``bucket_cap_mb`` and errors name the parameter.
+            parameters are named by position in ``optimizer``'s
+            param_groups (``group.0.0``, ``group.0.1``, ...), or without
+            an optimizer ``param.0``, ``param.1``, ... in the order of DDP's
+            first backward pass (stable for the same model and DDP
+            settings). With it, errors name the parameter.
 
     Attributes:
         step_count: iterations completed (backward passes that communicated;
@@ -169,8 +193,11 @@ class ACPState:
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, *,
                  matrix_rank: int = 4, min_compression_rate: float = 2.0,
                  warmup_steps: int = 0, seed: int = 0,
-                 named_parameters: Optional[Iterable[Tuple[str, Tensor]]] = None) -> None:
-        _validate(matrix_rank, min_compression_rate, warmup_steps, seed)
+                 named_parameters: Optional[Iterable[Tuple[str, Tensor]]] = None,
+                 optimizer: Optional[torch.optim.Optimizer] = None,
+                 step_ahead: float = DEFAULT_STEP_AHEAD) -> None:
+        _validate(matrix_rank, min_compression_rate, warmup_steps, seed, optimizer,
+                  step_ahead)
         self.process_group = process_group
         self.matrix_rank = matrix_rank
         self.min_compression_rate = min_compression_rate
@@ -183,11 +210,16 @@ class ACPState:
 
         self._generator = torch.Generator().manual_seed(seed)
         self._names: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._params: Dict[str, Tensor] = {}
         self._layouts: Dict[str, TensorLayout] = {}
         self._factors: Dict[str, _Factors] = {}
         #: Loaded state of parameters not seen yet (see load_state_dict).
         self._pending: Optional[Dict[str, dict]] = None
         self._reset_on_load = False
+        if named_parameters is None and optimizer is not None:
+            named_parameters = [(_GROUP_NAME.format(i, j), param)
+                                for i, group in enumerate(optimizer.param_groups)
+                                for j, param in enumerate(group["params"])]
         self._named = named_parameters is not None
         #: Whether every parameter of the model is known (named, or one
         #: iteration seen): an unknown one then belongs to another model.
@@ -204,6 +236,16 @@ class ACPState:
                 seen.add(name)
                 if param.requires_grad:
                     self._add(name, param)
+
+        self.step_ahead = float(step_ahead) if optimizer is not None else 0.0
+        self._step_ahead: Optional[StepAhead] = None
+        self._finalizer = None
+        if self.step_ahead:
+            self._step_ahead = StepAhead(_Residuals(self._factors, self._params), optimizer,
+                                         self.step_ahead)
+            self._finalizer = weakref.finalize(
+                self, _release, self._step_ahead, _register_step_hooks(optimizer,
+                                                                       self._step_ahead))
 
     # ----------------------------------------------------------- properties
     @property
@@ -228,6 +270,7 @@ class ACPState:
         lay, = make_layouts([(name, tuple(param.shape), param.dtype)], self.matrix_rank,
                             self.min_compression_rate, payload_dtype=compute_dtype)
         self._names[param] = name
+        self._params[name] = param
         self._layouts[name] = lay
         if lay.compressed:
             self._factors[name] = _Factors(lay, self._generator, param.device)
@@ -240,9 +283,9 @@ class ACPState:
             if self._complete:
                 raise RuntimeError(
                     f"acp_hook got a parameter of shape {tuple(param.shape)} that "
-                    + ("is not in this ACPState's named_parameters"
-                       if self._named else "was not in the model of this ACPState's first "
-                       "iteration")
+                    + ("is not among this ACPState's parameters (named_parameters or the "
+                       "optimizer's)" if self._named else "was not in the model of this "
+                       "ACPState's first iteration")
                     + ": an ACPState holds the factors and residuals of one model; create "
                     "one ACPState per DDP model")
             name = _AUTO_NAME.format(len(self._layouts))
@@ -298,6 +341,8 @@ class ACPState:
             reset_error_feedback: zero the residuals instead of loading them.
         """
         check_state_version(state, reset_error_feedback)
+        if self._step_ahead is not None:
+            self._step_ahead.restore(warn=False)
         saved = dict(state["params"])
         if self._complete:
             missing = sorted(set(self._factors) - set(saved))
@@ -315,6 +360,8 @@ class ACPState:
         self._reset_on_load = reset_error_feedback
         self.step_count = int(state["step_count"])
         self._agreed = False
+        if self._step_ahead is not None:
+            self._step_ahead.after_step()
 
     def _load_entry(self, name: str, entry: Optional[dict], reset_error: bool) -> None:
         factors = self._factors.get(name)
@@ -341,6 +388,27 @@ class ACPState:
         """Set every residual to zero."""
         for factors in self._factors.values():
             factors.error.zero_()
+
+    @contextlib.contextmanager
+    def true_weights(self):
+        """Within this context the parameters hold the true weights.
+
+        Only needed between a training forward pass and ``optimizer.step()``
+        when step-ahead error feedback has shifted them (elsewhere they hold
+        the true weights already): to evaluate, save or modify the weights
+        in that window. No communication.
+        """
+        if self._step_ahead is None:
+            yield
+            return
+        with self._step_ahead.true_weights():
+            yield
+
+    def close(self) -> None:
+        """Restore the true weights and remove the step-ahead hooks for good."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self._step_ahead = None
 
     # ----------------------------------------------------------------- hook
     def _world_size(self) -> int:
@@ -455,6 +523,55 @@ class ACPState:
             self.compression_seconds += seconds
 
 
+class _Residuals:
+    """What :class:`~hvd_acp.stepahead.StepAhead` reads of a state: the
+    residuals and parameters by name, and this rank's share of the average.
+
+    Holds the state's dictionaries, not the state, so that the state's
+    finalizer can still restore the true weights.
+    """
+
+    def __init__(self, factors: Dict[str, _Factors], params: Dict[str, Tensor]) -> None:
+        self._factors = factors
+        self.params = params
+
+    @property
+    def errors(self) -> Dict[str, Tensor]:
+        return {name: f.error for name, f in self._factors.items()}
+
+    def share(self) -> float:
+        return 1.0      # the hook averages: E is in the units of the applied gradient
+
+
+def _register_step_hooks(optimizer: torch.optim.Optimizer, step_ahead: StepAhead) -> list:
+    """Around every ``optimizer.step()``: the update applies to the true
+    weights, and the next gradient is taken ahead of them again.
+
+    The hooks hold the step-ahead state weakly: they do not keep it alive.
+    """
+    ref = weakref.ref(step_ahead)
+
+    def before_step(opt, args, kwargs):
+        this = ref()
+        if this is not None:
+            this.restore()
+
+    def after_step(opt, args, kwargs):
+        this = ref()
+        if this is not None:
+            this.after_step()
+
+    return [optimizer.register_step_pre_hook(before_step),
+            optimizer.register_step_post_hook(after_step)]
+
+
+def _release(step_ahead: StepAhead, handles: list) -> None:
+    """Restore the true weights, remove the forward and step hooks."""
+    step_ahead.close()
+    for handle in handles:
+        handle.remove()
+
+
 def acp_hook(state: ACPState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     r"""DDP communication hook running ACP-SGD on each bucket.
 
@@ -511,7 +628,8 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _validate(matrix_rank, min_compression_rate, warmup_steps, seed) -> None:
+def _validate(matrix_rank, min_compression_rate, warmup_steps, seed, optimizer,
+              step_ahead) -> None:
     if not _is_int(matrix_rank) or matrix_rank < 1:
         raise ValueError(f"matrix_rank must be a positive int, got {matrix_rank!r}")
     if (not isinstance(min_compression_rate, numbers.Real) or isinstance(min_compression_rate, bool)
@@ -522,3 +640,9 @@ def _validate(matrix_rank, min_compression_rate, warmup_steps, seed) -> None:
         raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
     if not _is_int(seed):
         raise TypeError(f"seed must be an int, got {seed!r}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    if (not isinstance(step_ahead, numbers.Real) or isinstance(step_ahead, bool)
+            or not 0 <= step_ahead < math.inf):
+        raise ValueError(f"step_ahead must be a finite number >= 0, got {step_ahead!r}")

@@ -17,7 +17,7 @@ from hvd_acp.compression import Phase
 from tests.hvdrun import run_with_timeout, torchrun
 
 TWO_RANK_CASES = ["replicas", "full_rank", "error_feedback", "no_sync", "unused", "dtypes",
-                  "nonfinite", "checkpoint", "errors"]
+                  "nonfinite", "step_ahead", "checkpoint", "errors"]
 
 NO_HOROVOD = textwrap.dedent("""
     import importlib.abc, sys

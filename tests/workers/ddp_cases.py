@@ -340,25 +340,65 @@ def case_nonfinite(_):
     assert_replicas_identical(params)
 
 
+def case_step_ahead(_):
+    """With the optimizer, each rank takes its gradient at w - a * lr / (1 - momentum)
+    * E_i (its own residual); step() updates the true weights, identical on
+    every rank; true_weights() shows them between backward and step()."""
+    module = build(Mixed)
+    opt = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
+    state = hvd_acp.ddp.ACPState(matrix_rank=2, optimizer=opt,
+                                 named_parameters=module.named_parameters())
+    model = ddp(module, state, bucket_cap_mb=0.002)
+    scale = 0.2 * 0.05 / (1 - 0.9)
+    for i in range(6):
+        true = {n: p.detach().clone() for n, p in module.named_parameters()}
+        errors = {n: e["error"] for n, e in state.state_dict()["params"].items()}
+        assert i == 0 or all(e.any() for e in errors.values())
+        opt.zero_grad()
+        x, y = batch(rank(), i)
+        out = model(x)
+        for n, p in module.named_parameters():
+            expected = true[n] - scale * errors[n].reshape(p.shape) if n in errors else true[n]
+            torch.testing.assert_close(p.detach(), expected, rtol=1e-6, atol=1e-7)
+        if i == 3:
+            gathered = [torch.empty_like(flat(module)) for _ in range(size())]
+            dist.all_gather(gathered, flat(module))
+            assert not torch.equal(gathered[0], gathered[1]), "the shift is rank-local"
+        F.cross_entropy(out, y).backward()
+        with state.true_weights():
+            assert all(torch.equal(p, true[n]) for n, p in module.named_parameters())
+        opt.step()
+        assert_replicas_identical(flat(module))
+    # A shift is owed now; after close() no forward applies it.
+    state.close()
+    before = flat(module)
+    module(batch(rank(), 6)[0])
+    assert torch.equal(flat(module), before), "shifted after close()"
+
+
 def case_checkpoint(directory):
     """(a) every rank saves and resumes its own state: bit for bit;
-    (b) every rank loads rank 0's file with the residuals reset."""
-    def fresh(named, seed=0):
+    (b) every rank loads rank 0's file with the residuals reset. Names from
+    DDP's first backward, from named_parameters, or from the optimizer
+    (step-ahead on)."""
+    def fresh(naming, seed=0):
         module = build(Mixed, seed=seed)
-        state = hvd_acp.ddp.ACPState(
-            matrix_rank=2, named_parameters=module.named_parameters() if named else None)
-        model = ddp(module, state, bucket_cap_mb=0.002)
-        return model, state, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
+        kwargs = {"named": {"named_parameters": module.named_parameters()},
+                  "optimizer": {"optimizer": opt}}.get(naming, {})
+        state = hvd_acp.ddp.ACPState(matrix_rank=2, **kwargs)
+        assert bool(state.step_ahead) == (naming == "optimizer")
+        return ddp(module, state, bucket_cap_mb=0.002), state, opt
 
     def train(model, opt, start, count):
         for i in range(start, start + count):
             x, y = batch(rank(), i)
             step(model, opt, x, y)
 
-    for named in (False, True):
+    for named in ("ddp_order", "named", "optimizer"):
         model, state, opt = fresh(named)
         train(model, opt, 0, 5)
-        path = os.path.join(directory, f"ddp.{int(named)}.{rank()}.pt")
+        path = os.path.join(directory, f"ddp.{named}.{rank()}.pt")
         torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(),
                     "acp": state.state_dict()}, path)
         train(model, opt, 5, 6)
@@ -373,11 +413,11 @@ def case_checkpoint(directory):
         state2.load_state_dict(saved["acp"])
         assert state2.step_count == 5 and state2.phase is Phase.Q
         train(model2, opt2, 5, 6)
-        assert torch.equal(flat(model2.module), uninterrupted), f"named={named}"
+        assert torch.equal(flat(model2.module), uninterrupted), named
 
         # (b) rank 0's file everywhere, residuals reset.
         dist.barrier()
-        saved0 = torch.load(os.path.join(directory, f"ddp.{int(named)}.0.pt"))
+        saved0 = torch.load(os.path.join(directory, f"ddp.{named}.0.pt"))
         model3, state3, opt3 = fresh(named, seed=7)
         model3.module.load_state_dict(saved0["model"])
         opt3.load_state_dict(saved0["opt"])
@@ -423,7 +463,7 @@ def case_errors(_):
     named_module = build(Square)
     named = hvd_acp.ddp.ACPState(matrix_rank=2, named_parameters=named_module.named_parameters())
     other = ddp(build(Square, seed=2), named)
-    expect_error(RuntimeError, "not in this ACPState's named_parameters",
+    expect_error(RuntimeError, "not among this ACPState's parameters",
                  lambda: F.cross_entropy(other(x), y).backward())
 
     # Settings that differ between ranks: every rank raises, none hangs.
