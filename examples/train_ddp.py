@@ -7,8 +7,12 @@ only line that differs between the three runs is the hook::
 
     model = DDP(model)                                              # allreduce
     model.register_comm_hook(PowerSGDState(None, 4, 2), powerSGD_hook)  # powersgd
-    model.register_comm_hook(hvd_acp.ddp.ACPState(matrix_rank=4),       # acp
+    model.register_comm_hook(hvd_acp.ddp.ACPState(matrix_rank=4,        # acp
+                                                  optimizer=optimizer),
                              hvd_acp.ddp.acp_hook)
+
+(``optimizer=`` turns on step-ahead error feedback, as in
+``hvd_acp.DistributedOptimizer``; ``--step-ahead 0`` switches it off.)
 
 Runs on CPU with Gloo (``--device cpu``, the default) or on one GPU per rank
 with NCCL (``--device cuda``). Horovod is not needed. Rank 0 prints the test
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -73,12 +78,16 @@ class PowerSGDCounter:
                 + self.state.total_numel_after_compression * self.element_size)
 
 
-def register_hook(name: str, model: DDP, *, matrix_rank: int, warmup_steps: int, seed: int):
+def register_hook(name: str, model: DDP, optimizer: torch.optim.Optimizer, *,
+                  matrix_rank: int, warmup_steps: int, seed: int,
+                  step_ahead: Optional[float] = None):
     """The swap: register ``name``'s communication hook on ``model``.
 
     Returns what the byte count reads (``comm_stats``), or None for plain
     averaging, which sends every gradient once per step.
     """
+    if step_ahead is not None and name != "acp":
+        raise SystemExit("--step-ahead only applies to --hook acp")
     if name == "allreduce":
         if warmup_steps:
             raise SystemExit("--warmup-steps only applies to --hook acp or powersgd")
@@ -92,7 +101,9 @@ def register_hook(name: str, model: DDP, *, matrix_rank: int, warmup_steps: int,
         model.register_comm_hook(state, psgd.powerSGD_hook)
         return PowerSGDCounter(state, model.module)
     import hvd_acp.ddp
-    state = hvd_acp.ddp.ACPState(matrix_rank=matrix_rank, warmup_steps=warmup_steps, seed=seed)
+    extra = {} if step_ahead is None else {"step_ahead": step_ahead}
+    state = hvd_acp.ddp.ACPState(matrix_rank=matrix_rank, warmup_steps=warmup_steps, seed=seed,
+                                 optimizer=optimizer, **extra)
     model.register_comm_hook(state, hvd_acp.ddp.acp_hook)
     return state
 
@@ -136,11 +147,12 @@ def main(argv=None) -> dict:
 
     module = DigitsCNN().to(device)
     model = DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
-    counter = register_hook(args.hook, model, matrix_rank=args.matrix_rank,
-                            warmup_steps=args.warmup_steps, seed=args.seed)
     lr = args.lr * size
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
+    counter = register_hook(args.hook, model, optimizer, matrix_rank=args.matrix_rank,
+                            warmup_steps=args.warmup_steps, seed=args.seed,
+                            step_ahead=args.step_ahead)
     meter = ByteMeter(counter, module)
 
     if is_root:

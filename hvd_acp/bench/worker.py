@@ -270,11 +270,12 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         # The same DDP buckets as powersgd-ddp. One all-reduce per bucket,
         # launched from the hook itself in bucket order, so no serialization
         # is needed; no dense warm-up either (state is keyed by parameter).
+        # With the optimizer: step-ahead error feedback, as for acp.
         model = spec.model = DistributedDataParallel(model, init_sync=False,
                                                      broadcast_buffers=False)
-        state = hvd_acp.ddp.ACPState(matrix_rank=args.matrix_rank)
-        model.register_comm_hook(state, hvd_acp.ddp.acp_hook)
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        state = hvd_acp.ddp.ACPState(matrix_rank=args.matrix_rank, optimizer=optimizer)
+        model.register_comm_hook(state, hvd_acp.ddp.acp_hook)
         counters = {"bytes_sent": lambda: state.comm_stats.bytes_sent,
                     "allreduces": lambda: state.comm_stats.allreduces,
                     "compression_seconds": lambda: state.compression_seconds}
