@@ -439,11 +439,13 @@ class ACPState:
         settings, so all raise the same error.
         """
         mine = torch.tensor([self.matrix_rank, self.min_compression_rate, self.warmup_steps,
-                             self.seed, self.step_count], dtype=torch.float64, device=device)
+                             self.seed, self.step_ahead, self.step_count],
+                            dtype=torch.float64, device=device)
         gathered = [torch.empty_like(mine) for _ in range(self._world_size())]
         dist.all_gather(gathered, mine, group=self.process_group)
         self._agreed = True
-        fields = ("matrix_rank", "min_compression_rate", "warmup_steps", "seed", "step_count")
+        fields = ("matrix_rank", "min_compression_rate", "warmup_steps", "seed", "step_ahead",
+                  "step_count")
         for rank, other in enumerate(gathered):
             if not torch.equal(other, gathered[0]):
                 differing = "; ".join(

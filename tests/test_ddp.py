@@ -56,6 +56,10 @@ def test_other_bad_settings():
         hvd_acp.ddp.ACPState(seed="0")
     with pytest.raises(TypeError, match="needs an hvd_acp.ddp.ACPState"):
         hvd_acp.ddp.acp_hook(object(), None)
+    with pytest.raises(ValueError, match="step_ahead must be a finite number >= 0, got -0.1"):
+        hvd_acp.ddp.ACPState(step_ahead=-0.1)
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        hvd_acp.ddp.ACPState(optimizer=[])
     net = Net()
     twice = [("w", net.fc1.weight), ("w", net.fc2.weight)]
     with pytest.raises(ValueError, match="'w' appears twice"):
@@ -110,6 +114,19 @@ def test_named_state_round_trip_and_mismatches():
     renamed = dict(saved, params={"layer." + k: v for k, v in saved["params"].items()})
     with pytest.raises(ValueError, match="missing.*fc1.weight.*unexpected.*layer.fc1.weight"):
         other.load_state_dict(renamed)
+
+
+def test_names_from_the_optimizer_and_step_ahead_switch():
+    net = Net()
+    opt = torch.optim.SGD([{"params": [net.fc1.weight, net.fc1.bias]},
+                           {"params": [net.fc2.weight, net.fc2.bias]}], lr=0.1, momentum=0.9)
+    state = hvd_acp.ddp.ACPState(matrix_rank=2, optimizer=opt)
+    assert sorted(state.state_dict()["params"]) == ["group.0.0", "group.1.0"]
+    assert state.step_ahead == 0.2
+    assert hvd_acp.ddp.ACPState(optimizer=opt, step_ahead=0).step_ahead == 0
+    # Without the optimizer there is nothing to shift with.
+    assert hvd_acp.ddp.ACPState(step_ahead=0.5).step_ahead == 0
+    state.close()
 
 
 def test_ddp_hook_imports_and_trains_without_horovod(tmp_path):
