@@ -4,7 +4,9 @@
   that wraps a torch optimizer for Horovod (:func:`distributed_optimizer`);
 - the bookkeeping every script reports: bytes each rank sent against what
   S-SGD would have sent (:class:`ByteMeter`), metrics summed over ranks
-  (:func:`allreduce_sums`), the ``--summary`` JSON (:func:`finish_run`);
+  (:func:`allreduce_sums`), the ``--summary`` JSON (:func:`finish_run`),
+  over Horovod or, for the DDP example, ``torch.distributed``
+  (:class:`TorchCollectives`);
 - the digits data (scikit-learn's bundled 8x8 handwritten digits, no
   download), its fixed train/test split and the small CNN trained on it.
 
@@ -27,11 +29,18 @@ OPTIMIZERS = ("ssgd", "powersgd", "acp")
 # ----------------------------------------------------------------- arguments
 def add_common_args(parser: argparse.ArgumentParser, *, matrix_rank: int, epochs: int,
                     lr: float, batch_size: int) -> None:
-    """The flags shared by the examples, with each script's own defaults."""
+    """The flags shared by the Horovod examples, with each script's own defaults."""
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="acp",
                         help="ssgd: hvd.DistributedOptimizer (full gradients); "
                              "powersgd: hvd_acp.PowerSGDOptimizer; "
                              "acp: hvd_acp.DistributedOptimizer (default: %(default)s)")
+    add_training_args(parser, matrix_rank=matrix_rank, epochs=epochs, lr=lr,
+                      batch_size=batch_size)
+
+
+def add_training_args(parser: argparse.ArgumentParser, *, matrix_rank: int, epochs: int,
+                      lr: float, batch_size: int) -> None:
+    """The flags of every example but the choice of optimizer (or DDP hook)."""
     parser.add_argument("--matrix-rank", type=int, default=matrix_rank,
                         help="rank of the low-rank factors (default: %(default)s)")
     parser.add_argument("--warmup-steps", type=int, default=0,
@@ -123,6 +132,58 @@ def allreduce_sums(sums: Dict[str, float], name: str) -> Dict[str, float]:
     return dict(zip(keys, total.tolist()))
 
 
+class HorovodCollectives:
+    """The few collectives the bookkeeping needs, over Horovod."""
+
+    def rank(self) -> int:
+        import horovod.torch as hvd
+        return hvd.rank()
+
+    def size(self) -> int:
+        import horovod.torch as hvd
+        return hvd.size()
+
+    def allgather_object(self, obj, name: str) -> list:
+        import horovod.torch as hvd
+        return hvd.allgather_object(obj, name=name)
+
+    def allreduce_sums(self, sums: Dict[str, float], name: str) -> Dict[str, float]:
+        return allreduce_sums(sums, name)
+
+    def versions(self) -> Dict[str, str]:
+        import horovod
+        return {"torch": torch.__version__, "horovod": horovod.__version__}
+
+
+class TorchCollectives(HorovodCollectives):
+    """The same over ``torch.distributed`` (the DDP example); no Horovod."""
+
+    def rank(self) -> int:
+        import torch.distributed as dist
+        return dist.get_rank()
+
+    def size(self) -> int:
+        import torch.distributed as dist
+        return dist.get_world_size()
+
+    def allgather_object(self, obj, name: str) -> list:
+        import torch.distributed as dist
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
+    def allreduce_sums(self, sums: Dict[str, float], name: str) -> Dict[str, float]:
+        import torch.distributed as dist
+        keys = sorted(sums)
+        total = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64)
+        dist.all_reduce(total)
+        return dict(zip(keys, total.tolist()))
+
+    def versions(self) -> Dict[str, str]:
+        import torch.distributed as dist
+        return {"torch": torch.__version__, "backend": dist.get_backend()}
+
+
 def gradient_bytes(model: nn.Module) -> int:
     """Bytes of one full gradient of ``model``: what S-SGD sends per step."""
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -149,10 +210,12 @@ class ByteMeter:
     def ssgd(self, steps: int) -> int:
         return steps * self.dense_bytes_per_step
 
-    def report(self, steps: int) -> Dict[str, object]:
+    def report(self, steps: int, collectives: Optional[HorovodCollectives] = None
+               ) -> Dict[str, object]:
         """Per-rank counts gathered from every rank (a collective: call on all ranks)."""
-        import horovod.torch as hvd
-        by_rank = [int(b) for b in hvd.allgather_object(self.sent(steps), name="bytes_sent")]
+        collectives = collectives or HorovodCollectives()
+        by_rank = [int(b) for b in collectives.allgather_object(self.sent(steps),
+                                                                name="bytes_sent")]
         ssgd = self.ssgd(steps)
         return {
             "bytes_sent_per_rank": max(by_rank),
@@ -173,17 +236,18 @@ def format_bytes_report(report: Dict[str, object], steps: int) -> str:
 
 def finish_run(args: argparse.Namespace, meter: "ByteMeter", history: Dict[str, list],
                steps: int, wall_s: float, train_s: float, fields: Dict[str, object],
-               config: Dict[str, object], final_line: str) -> dict:
+               config: Dict[str, object], final_line: str,
+               collectives: Optional[HorovodCollectives] = None) -> dict:
     """The ``--summary`` of a run: the script's own ``fields`` and ``config``
     entries around the record every example keeps (per-epoch train loss,
     steps and training time, bytes sent, arguments and versions).
 
     A collective (the byte counts are gathered): call on every rank. Rank 0
     prints the bytes report and ``final_line`` and writes the summary.
+    ``collectives`` defaults to Horovod's.
     """
-    import horovod
-    import horovod.torch as hvd
-    report = meter.report(steps)
+    collectives = collectives or HorovodCollectives()
+    report = meter.report(steps, collectives)
     summary = {
         **fields,
         "train_loss_per_epoch": history["train_loss"],
@@ -193,10 +257,10 @@ def finish_run(args: argparse.Namespace, meter: "ByteMeter", history: Dict[str, 
         "wall_s": wall_s,
         "train_s": train_s,
         **report,
-        "config": {**vars(args), "world_size": hvd.size(), **config,
-                   "torch": torch.__version__, "horovod": horovod.__version__},
+        "config": {**vars(args), "world_size": collectives.size(), **config,
+                   **collectives.versions()},
     }
-    if hvd.rank() == 0:
+    if collectives.rank() == 0:
         print(format_bytes_report(report, steps), flush=True)
         print(final_line, flush=True)
         write_summary(args.summary, summary)

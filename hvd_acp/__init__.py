@@ -12,3 +12,12 @@ __version__ = "0.1.0"
 
 __all__ = ["DistributedOptimizer", "PowerSGDOptimizer", "Phase", "CommStats", "Communicator",
            "HorovodCommunicator", "LocalCommunicator", "__version__"]
+
+
+def __getattr__(name):
+    # hvd_acp.ddp (the DDP communication hook) imports torch.distributed:
+    # loaded on first use only.
+    if name == "ddp":
+        import importlib
+        return importlib.import_module(f"{__name__}.ddp")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -119,6 +119,10 @@ TARGETS = (
     Target("ACP-SGD within 1.15x of the floor", "acp", report.FLOOR, "step", 1.15, False),
     Target("ACP-SGD compression <= 0.75x Power-SGD's (hvd_acp)",
            "acp", "powersgd", "compression", 0.75, False),
+    Target("ACP-SGD (DDP hook) faster than Power-SGD (DDP hook), same buckets (its step / "
+           "ACP-SGD (DDP hook)'s > 1)", "powersgd-ddp", "acp-ddp", "step", 1.0, True),
+    Target("ACP-SGD (DDP hook) bytes about half of Power-SGD (DDP hook)'s (<= 0.6x)",
+           "acp-ddp", "powersgd-ddp", "bytes", 0.6, False),
 )
 #: Half-width of ACP-SGD's interval against Power-SGD's step, as a share of its median.
 PRECISION = 0.05

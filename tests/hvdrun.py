@@ -1,4 +1,5 @@
-"""Launch a worker script under ``horovodrun --gloo`` from a test, with a timeout.
+"""Launch a worker script under ``horovodrun --gloo`` (or ``torchrun``) from a test,
+with a timeout.
 
 A hang fails the test instead of stalling the suite: the whole process group
 is killed when ``timeout`` expires.
@@ -47,6 +48,37 @@ def horovodrun(script: str, *args: str, np: int = 2, timeout: float = 180,
         pytest.fail(f"horovodrun {script} {' '.join(args)} exited {proc.returncode}\n"
                     f"{out[-8000:]}")
     return result
+
+
+def torchrun(script: str | Path, *args: str, np: int = 2, timeout: float = 180,
+             env: dict | None = None) -> str:
+    """Run ``script`` (a path, or a name in ``tests/workers/``) on ``np`` local
+    ranks under ``torchrun --standalone``; returns the output of all ranks.
+
+    A timeout kills the whole process group and fails the test; unlike
+    :func:`horovodrun` the exit status is left to the caller's assertions.
+    """
+    launcher = Path(sys.executable).with_name("torchrun")
+    path = Path(script) if Path(script).is_absolute() else WORKERS / script
+    cmd = [str(launcher), "--standalone", "--nproc-per-node", str(np), str(path), *args]
+    return run_with_timeout(cmd, timeout, f"torchrun {path.name} {' '.join(args)}", env)
+
+
+def run_with_timeout(cmd: list[str], timeout: float, what: str,
+                     env: dict | None = None) -> str:
+    """Run ``cmd`` from the repository; its output, or a test failure on timeout."""
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                    PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    full_env.update(env or {})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env, cwd=REPO, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{what} timed out after {timeout}s (a hang?)\n{out[-6000:]}")
+    return out
 
 
 def rank_lines(output: str, tag: str) -> list[str]:

@@ -508,6 +508,10 @@ def _check_outputs(out: Path, methods, bandwidth):
         ddp = methods_entry["powersgd-ddp"]
         assert ddp["bytes_sent_per_step"] == ddp["bytes_sent_per_step_analytic"]
         assert ddp["bytes_sent_per_step"] == methods_entry["powersgd"]["bytes_sent_per_step"]
+    if "acp-ddp" in methods_entry:
+        # Same tensors compressed, same phases (P, Q, P over the timed steps).
+        assert (methods_entry["acp-ddp"]["bytes_sent_per_step"]
+                == methods_entry["acp"]["bytes_sent_per_step"])
     table = (out / "results.md").read_text()
     assert "speedup vs S-SGD" in table and "x floor" in table
     assert (out / "breakdown.png").stat().st_size > 0
@@ -517,7 +521,7 @@ def _check_outputs(out: Path, methods, bandwidth):
 @pytest.mark.horovod
 @pytest.mark.timeout(150)
 def test_smoke_run_writes_every_output(tmp_path):
-    methods = ["ssgd", "powersgd", "acp", "powersgd-ddp"]
+    methods = ["ssgd", "powersgd", "acp", "powersgd-ddp", "acp-ddp"]
     _bench(tmp_path, "--methods", ",".join(methods), timeout=140)
     results = _check_outputs(tmp_path, methods, None)
     assert "localhost" in results["config"]["topology"]

@@ -1,7 +1,9 @@
-"""The example scripts, run for real under ``horovodrun -np 2 --gloo``.
+"""The example scripts, run for real under ``horovodrun -np 2 --gloo``
+(``torchrun`` for the DDP one).
 
-A short convergence run of the digits CNN with ACP-SGD and a smoke run of
-the standard-library language model; each checks the ``--summary`` JSON.
+A short convergence run of the digits CNN with ACP-SGD (Horovod and DDP) and
+a smoke run of the standard-library language model; each checks the
+``--summary`` JSON.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.hvdrun import horovodrun, requires_emulation
+from tests.hvdrun import horovodrun, requires_emulation, torchrun
 
 pytestmark = pytest.mark.horovod
 
@@ -86,6 +88,26 @@ def test_diagnostics_record_every_compressed_step(tmp_path):
     # A side's basis is compared with its previous one from its second step on.
     assert steps[0]["subspace_turn"] is None and steps[1]["subspace_turn"] is None
     assert all(0 <= s["subspace_turn"] <= 1 + 1e-9 for s in steps[2:])
+
+
+@pytest.mark.ddp
+def test_digits_ddp_acp_hook_under_torchrun(tmp_path):
+    """examples/train_ddp.py: DDP with hvd_acp.ddp.acp_hook, no Horovod involved."""
+    path = tmp_path / "digits_ddp.json"
+    out = torchrun(EXAMPLES / "train_ddp.py", "--hook", "acp", "--epochs", "3",
+                   "--no-progress", "--summary", str(path), np=2, timeout=200)
+    assert path.exists(), out[-6000:]
+    summary = json.loads(path.read_text())
+
+    assert DIGITS_FIELDS <= set(summary), DIGITS_FIELDS - set(summary)
+    assert summary["config"]["hook"] == "acp" and summary["config"]["world_size"] == 2
+    assert summary["config"]["backend"] == "gloo" and "horovod" not in summary["config"]
+    assert summary["steps"] == 3 * 22
+    assert summary["test_accuracy"] > 0.85, summary["test_accuracy_per_epoch"]
+    # The tensors and phases of hvd_acp.DistributedOptimizer on this CNN: a P
+    # step sends 5,320 bytes per rank, a Q step 25,128 (see the README).
+    assert summary["bytes_sent_by_rank"] == [33 * (5320 + 25128)] * 2
+    assert summary["ssgd_bytes_per_rank"] == summary["steps"] * _digits_gradient_bytes()
 
 
 def test_lm_smoke_loss_finite_and_decreasing(tmp_path):

@@ -28,12 +28,15 @@ LABELS = {
     "powersgd": "Power-SGD (hvd_acp.PowerSGDOptimizer)",
     "powersgd-ddp": "Power-SGD (torch DDP powerSGD_hook)",
     "acp": "ACP-SGD (hvd_acp.DistributedOptimizer)",
+    "acp-ddp": "ACP-SGD (DDP hvd_acp.ddp.acp_hook)",
 }
 _SHORT = {"ssgd": "S-SGD", "powersgd": "Power-SGD\n(hvd_acp)",
-          "powersgd-ddp": "Power-SGD\n(DDP hook)", "acp": "ACP-SGD"}
+          "powersgd-ddp": "Power-SGD\n(DDP hook)", "acp": "ACP-SGD",
+          "acp-ddp": "ACP-SGD\n(DDP hook)"}
 #: Short names of the jobs, for sentences.
 NAMES = {"ssgd": "S-SGD", "powersgd": "Power-SGD (hvd_acp)",
-         "powersgd-ddp": "Power-SGD (DDP hook)", "acp": "ACP-SGD", FLOOR: "compute only (floor)"}
+         "powersgd-ddp": "Power-SGD (DDP hook)", "acp": "ACP-SGD",
+         "acp-ddp": "ACP-SGD (DDP hook)", FLOOR: "compute only (floor)"}
 
 
 def _ordered(methods: Dict[str, Any]) -> List[str]:

@@ -22,7 +22,7 @@ __all__ = ["METHODS", "parse_bandwidth", "parse_methods", "percentile",
            "verdict", "CONFIDENCE", "VERDICTS"]
 
 #: Methods accepted by ``--methods``, in the order they are reported.
-METHODS = ("ssgd", "powersgd", "powersgd-ddp", "acp")
+METHODS = ("ssgd", "powersgd", "powersgd-ddp", "acp", "acp-ddp")
 
 _UNITS = {"bit": 1e-6, "kbit": 1e-3, "mbit": 1.0, "gbit": 1e3, "tbit": 1e6}
 _BANDWIDTH = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?bit)\s*$",

@@ -1,7 +1,7 @@
 """One rank of one benchmark job: ``python -m hvd_acp.bench.worker --method ...``.
 
 Launched by the driver (:mod:`hvd_acp.bench.driver`) under ``horovodrun``
-(``ssgd``, ``powersgd``, ``acp``), ``torchrun`` (``powersgd-ddp``), once per
+(``ssgd``, ``powersgd``, ``acp``), ``torchrun`` (``powersgd-ddp``, ``acp-ddp``), once per
 rank inside a network namespace when the link is emulated, or as one plain
 process (``compute``, the floor). It trains the model on a fixed synthetic
 batch for ``--warmup`` untimed steps and ``--steps`` timed ones and writes
@@ -31,7 +31,9 @@ HOROVOD_METHODS = ("ssgd", "powersgd", "acp")
 #: ``compute-concurrent`` and ``acp-local`` run as ``np`` independent processes
 #: at once (``--rank``), ``hvd-idle`` under Horovod like the methods.
 DIAGNOSTICS = ("compute-concurrent", "hvd-idle", "acp-local")
-WORKER_METHODS = HOROVOD_METHODS + ("powersgd-ddp", "compute") + DIAGNOSTICS
+#: DDP with a communication hook: torch's ``powerSGD_hook`` or hvd_acp's ``acp_hook``.
+DDP_METHODS = ("powersgd-ddp", "acp-ddp")
+WORKER_METHODS = HOROVOD_METHODS + DDP_METHODS + ("compute",) + DIAGNOSTICS
 
 
 def _parse(argv: List[str]) -> argparse.Namespace:
@@ -220,7 +222,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         import horovod.torch as hvd
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
-    elif method == "powersgd-ddp":
+    elif method in DDP_METHODS:
         import torch.distributed as dist
         dist.init_process_group("gloo")
         rank, size = dist.get_rank(), dist.get_world_size()
@@ -262,6 +264,21 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         result["bytes_sent_per_step_analytic"] = powersgd_ddp_bytes_per_step(
             spec.model.module, args.matrix_rank)
         result["powersgd_start_iter"] = state.start_powerSGD_iter
+    elif method == "acp-ddp":
+        import hvd_acp.ddp
+        from torch.nn.parallel import DistributedDataParallel
+        # The same DDP buckets as powersgd-ddp. One all-reduce per bucket,
+        # launched from the hook itself in bucket order, so no serialization
+        # is needed; no dense warm-up either (state is keyed by parameter).
+        # With the optimizer: step-ahead error feedback, as for acp.
+        model = spec.model = DistributedDataParallel(model, init_sync=False,
+                                                     broadcast_buffers=False)
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        state = hvd_acp.ddp.ACPState(matrix_rank=args.matrix_rank, optimizer=optimizer)
+        model.register_comm_hook(state, hvd_acp.ddp.acp_hook)
+        counters = {"bytes_sent": lambda: state.comm_stats.bytes_sent,
+                    "allreduces": lambda: state.comm_stats.allreduces,
+                    "compression_seconds": lambda: state.compression_seconds}
     elif method in HOROVOD_METHODS:
         import horovod.torch as hvd
         base = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
@@ -329,7 +346,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def _barrier(method: str) -> None:
-    if method == "powersgd-ddp":
+    if method in DDP_METHODS:
         import torch.distributed as dist
         dist.barrier()
     elif method in HOROVOD_METHODS + ("hvd-idle",):
@@ -339,7 +356,7 @@ def _barrier(method: str) -> None:
 
 def _shutdown(method: str) -> None:
     """Leave the collective library cleanly (Gloo threads abort a bare exit)."""
-    if method == "powersgd-ddp":
+    if method in DDP_METHODS:
         import torch.distributed as dist
         dist.barrier()
         dist.destroy_process_group()
