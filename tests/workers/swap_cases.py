@@ -116,7 +116,8 @@ def case_step_warning():
         clipped = [p.grad.clone() for p in model.parameters()]
         norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in clipped]))
         assert norm <= 0.05 * (1 + 1e-5), norm
-        before = [p.detach().clone() for p in model.parameters()]
+        with opt.true_weights():        # not the step-ahead point of this round
+            before = [p.detach().clone() for p in model.parameters()]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if step % 2:
