@@ -349,8 +349,9 @@ class DistributedOptimizer(_LocalStep):
         # The update applies to the true weights; the next gradient is taken
         # ahead of them again (see hvd_acp.stepahead).
         self._step_ahead.restore()
+        unit = self._reducer.applied_scale()
         result = self._optimizer.step()
-        self._step_ahead.after_step()
+        self._step_ahead.after_step(unit)
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -53,6 +53,7 @@ class PowerSGDReducer(ACPReducer):
         if rnd.phase is Phase.DENSE:
             super()._complete(rnd)
             return
+        self.written_norm2, self.written_versions = 0.0, {}
         for b_index in range(len(rnd.buckets)):
             self.comm.synchronize(rnd.handles[b_index])
         started = time.perf_counter()
@@ -94,8 +95,10 @@ class PowerSGDReducer(ACPReducer):
                 q = self.q_factors[name].copy_(q)             # warm start of the next step
             matrix, direct = self._grad_target(lay, param)
             reconstruct_(matrix, self.p_factors[name], q)     # G = Ph Q^T
+            self.written_norm2 += float(q.double().pow(2).sum())   # ||G|| = ||Q||
             if not direct:
                 param.grad.copy_(matrix.view(param.grad.shape))
+            self.written_versions[name] = param.grad._version
         self.compression_seconds += time.perf_counter() - started
 
     def wire_elements(self, phase: Phase) -> int:

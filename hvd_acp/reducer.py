@@ -115,6 +115,10 @@ class ACPReducer:
         #: with Horovod's optimizer, no hook is registered and nothing is
         #: communicated; the wrapped optimizer steps on the local gradients.
         self.included = communicator.included()
+        #: Sum of ||G||^2 over the compressed gradients synchronize() wrote,
+        #: and each one's ``p.grad._version`` right after (see applied_scale).
+        self.written_norm2 = 0.0
+        self.written_versions: Dict[str, int] = {}
 
         devices = {p.device for p in self.params.values()}
         if len(devices) > 1:
@@ -361,6 +365,23 @@ class ACPReducer:
         self.step_count += 1
         self.register_hooks()
 
+    def applied_scale(self) -> float:
+        """How the user rescaled the written gradients since synchronize().
+
+        1 when no compressed ``p.grad`` was modified; otherwise
+        ``||p.grad|| / ||G||`` over the compressed tensors, e.g. ``1 / scale``
+        after ``GradScaler.unscale_`` (times a clipping factor). The
+        residuals are in the units of what was written.
+        """
+        changed = any(self.params[n].grad is not None and self.params[n].grad._version != v
+                      for n, v in self.written_versions.items())
+        if not changed or self.written_norm2 <= 0:
+            return 1.0
+        now = sum(float(self.params[n].grad.double().pow(2).sum())
+                  for n in self.written_versions if self.params[n].grad is not None)
+        scale = (now / self.written_norm2) ** 0.5
+        return scale if scale == scale and scale != float("inf") else 1.0
+
     def _complete(self, rnd: _Round) -> None:
         """Wait for the round's buffers and turn them into ``p.grad``.
 
@@ -370,6 +391,7 @@ class ACPReducer:
         are still on the wire.
         """
         nonfinite = set()
+        self.written_norm2, self.written_versions = 0.0, {}
         for b_index, bucket in enumerate(rnd.buckets):
             self.comm.synchronize(rnd.handles[b_index])
             started = time.perf_counter()
@@ -460,6 +482,10 @@ class ACPReducer:
                 self._record.add_feedback(matrix, self.errors[name])
             if not direct:
                 param.grad.copy_(matrix.view(param.grad.shape))
+            # ||G|| = ||averaged factor|| (the basis is orthonormal): what was
+            # written, to tell later how the user rescaled it (AMP unscaling).
+            self.written_norm2 += float(averaged.double().pow(2).sum())
+            self.written_versions[name] = param.grad._version
         else:
             if param.grad is None:
                 param.grad = torch.empty_like(param, memory_format=torch.contiguous_format)

@@ -87,6 +87,7 @@ class StepAhead:
         self.step_ahead = float(step_ahead)
         #: A shift is owed before the next training forward pass.
         self.pending = False
+        self.unit = 1.0
         #: name -> (true weights, parameter version after the shift was written).
         self._applied: Dict[str, Tuple[Tensor, int]] = {}
         self._anchors: Dict[str, Tensor] = {}
@@ -127,8 +128,15 @@ class StepAhead:
             self._handle.remove()
             self._handle = None
 
-    def after_step(self) -> None:
-        """Called once the true weights were updated: shift before the next forward."""
+    def after_step(self, unit: float = 1.0) -> None:
+        """Called once the true weights were updated: shift before the next forward.
+
+        Args:
+            unit: the factor the user applied to the written gradients
+                before the update (:meth:`ACPReducer.applied_scale`: AMP's
+                ``1 / scale``), which the residuals, in written units, need too.
+        """
+        self.unit = float(unit)
         # A rank outside the process set sends nothing and keeps no residual.
         self.pending = (bool(self.step_ahead) and bool(self.reducer.errors)
                         and self.reducer.included)
@@ -150,7 +158,7 @@ class StepAhead:
         self.pending = False
         if self._applied:
             return
-        share = self.reducer.share()
+        share = self.reducer.share() / self.unit
         groups = self._groups()
         for name, error in self.reducer.errors.items():
             param = self.reducer.params[name]

@@ -252,3 +252,32 @@ def test_another_models_forward_leaves_our_weights_alone():
         assert torch.equal(p.detach(), true[name]), name
     model(_batch(1))                     # a module holding our parameters
     assert not torch.equal(model.fc1.weight.detach(), true["fc1.weight"])
+
+
+@pytest.mark.parametrize("cls", [hvd_acp.DistributedOptimizer, hvd_acp.PowerSGDOptimizer])
+def test_shift_follows_a_rescaling_of_the_gradient_between_synchronize_and_step(cls):
+    # AMP: synchronize() writes scaled gradients, GradScaler.unscale_ divides
+    # them by the scale; the residual is in the written (scaled) units, so
+    # the shift is divided by the same factor.
+    model, twin = _net(), _net()
+    opts = [cls(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                named_parameters=m.named_parameters(), matrix_rank=2,
+                communicator=hvd_acp.LocalCommunicator()) for m in (model, twin)]
+    for net, opt, scale in ((model, opts[0], 1.0), (twin, opts[1], 1024.0)):
+        opt.zero_grad()
+        (scale * net(_batch(0)).pow(2).mean()).backward()
+        opt.synchronize()
+        if scale != 1.0:
+            for p in net.parameters():
+                p.grad.div_(scale)
+        with opt.skip_synchronize():
+            opt.step()
+    assert_close(twin.fc1.weight.detach(), model.fc1.weight.detach())
+    errors = [o.reducer.errors["fc1.weight"] for o in opts]
+    assert_close(errors[1], 1024.0 * errors[0])
+    before = [m.fc1.weight.detach().clone() for m in (model, twin)]
+    model(_batch(1))
+    twin(_batch(1))
+    shifts = [b - m.fc1.weight.detach() for b, m in zip(before, (model, twin))]
+    assert shifts[0].abs().max() > 0
+    assert_close(shifts[1], shifts[0])
