@@ -240,11 +240,11 @@ class ACPReducer:
             param.grad = grad.to_dense()
             self._fill(name, param.grad)
         else:
-            # The slot still carries a zero gradient, so that its buffer
-            # completes and launches as on every rank.
-            self._fill(name, None)
-            self._round.sparse[name] = self.comm.sparse_allreduce_async(
+            # Its slot still carries zeros, so that the buffer completes and
+            # launches as on every rank; its compression state is left alone.
+            self._open_round().sparse[name] = self.comm.sparse_allreduce_async(
                 grad, f"{self.name_prefix}.sparse.{name}")
+            self._fill(name, None)
 
     # ------------------------------------------------------------------ round
     @property
@@ -295,7 +295,8 @@ class ACPReducer:
     def _fill(self, name: str, grad: Optional[Tensor]) -> None:
         """Put this rank's payload for ``name`` into its slot.
 
-        ``grad=None`` is a zero gradient: the error feedback still flows.
+        ``grad=None`` is a zero gradient: the error feedback still flows
+        (except for a gradient sent apart, whose slot is only zeroed).
         """
         rnd = self._open_round()
         if name not in rnd.where:
@@ -304,7 +305,7 @@ class ACPReducer:
                 "this step's first gradient arrived; change requires_grad only between steps")
         lay = self.layouts[name]
         out = self._slot_view(rnd, name)
-        if lay.compressed and rnd.phase is not Phase.DENSE:
+        if lay.compressed and rnd.phase is not Phase.DENSE and name not in rnd.sparse:
             matrix = None if grad is None else grad.reshape(lay.n, lay.m).to(lay.dtype)
             started = time.perf_counter()
             self._compress(rnd.phase, name, matrix, out)

@@ -496,6 +496,27 @@ def test_sparse_gradients_reach_sparse_adam_unchanged_in_one_process(sparse_as_d
     assert any(".sparse." in name for name in comm.launched) != sparse_as_dense
 
 
+def test_sparse_gradient_sent_apart_leaves_its_compression_state_alone():
+    torch.manual_seed(0)
+    emb = nn.Embedding(40, 16, sparse=True)
+    opt = hvd_acp.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1),
+                                       named_parameters=emb.named_parameters(),
+                                       communicator=hvd_acp.LocalCommunicator(),
+                                       matrix_rank=2)
+    assert opt.reducer.layouts["weight"].compressed
+    factors = [opt.reducer.p_factors["weight"].clone(), opt.reducer.q_factors["weight"].clone()]
+    for step in range(2):                     # a P step and a Q step
+        before = emb.weight.detach().clone()
+        opt.zero_grad()
+        emb(torch.tensor([3, 5, 5])).sum().backward()
+        opt.step()
+        moved = (before - emb.weight.detach()).abs().sum(dim=1) > 0
+        assert moved.nonzero().flatten().tolist() == [3, 5]       # exact, sparse update
+    assert torch.count_nonzero(opt.reducer.errors["weight"]) == 0
+    assert torch.equal(opt.reducer.p_factors["weight"], factors[0])
+    assert torch.equal(opt.reducer.q_factors["weight"], factors[1])
+
+
 def test_sparse_gradient_without_a_sparse_reduction_names_the_way_out():
     class DenseOnly(hvd_acp.LocalCommunicator):
         sparse_allreduce_async = hvd_acp.Communicator.sparse_allreduce_async

@@ -108,6 +108,9 @@ def case_step_warning():
                                        named_parameters=model.named_parameters(),
                                        matrix_rank=2)
     for step in range(4):
+        # Taken before the forward pass, where the parameters are the weights
+        # the update applies to (whatever a forward may do to them).
+        before = [p.detach().clone() for p in model.parameters()]
         opt.zero_grad()
         mlp_loss(model, hvd.rank(), step).backward()
         opt.synchronize()
@@ -116,8 +119,6 @@ def case_step_warning():
         clipped = [p.grad.clone() for p in model.parameters()]
         norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in clipped]))
         assert norm <= 0.05 * (1 + 1e-5), norm
-        with opt.true_weights():        # not the step-ahead point of this round
-            before = [p.detach().clone() for p in model.parameters()]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if step % 2:
