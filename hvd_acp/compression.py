@@ -43,6 +43,7 @@ __all__ = [
     "reconstruct_",
     "init_factor",
     "step_ahead_shift",
+    "phase_of",
 ]
 
 
@@ -64,6 +65,14 @@ class Phase(enum.Enum):
         if self is Phase.Q:
             return Phase.P
         return self
+
+
+def phase_of(step_count: int, warmup_steps: int) -> Phase:
+    """The phase of step ``step_count``: DENSE during warm-up, then P, Q, P, ..."""
+    compressed_steps = step_count - warmup_steps
+    if compressed_steps < 0:
+        return Phase.DENSE
+    return Phase.P if compressed_steps % 2 == 0 else Phase.Q
 
 
 def matrix_shape(shape: Sequence[int]) -> Tuple[int, int]:

@@ -18,8 +18,6 @@ is not imported.
 import contextlib
 import functools
 import logging
-import math
-import numbers
 import threading
 import time
 import weakref
@@ -32,9 +30,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .comm import CommStats
 from .compression import (Phase, compress_, compute_dtype, init_factor, local_residual_,
-                          orthonormalize_, reconstruct_)
+                          orthonormalize_, phase_of, reconstruct_)
 from .fusion import TensorLayout, make_layouts
-from .optimizer import DEFAULT_STEP_AHEAD
+from .optimizer import DEFAULT_STEP_AHEAD, check_compression_settings
 from .reducer import STATE_FORMAT_VERSION, check_state_version
 from .stepahead import StepAhead
 
@@ -251,10 +249,7 @@ class ACPState:
     @property
     def phase(self) -> Phase:
         """Phase of the next iteration, derived from ``step_count``."""
-        compressed_steps = self.step_count - self.warmup_steps
-        if compressed_steps < 0:
-            return Phase.DENSE
-        return Phase.P if compressed_steps % 2 == 0 else Phase.Q
+        return phase_of(self.step_count, self.warmup_steps)
 
     def wire_elements(self, phase: Phase) -> int:
         """Elements one rank sends in an iteration of ``phase`` (known parameters)."""
@@ -626,25 +621,10 @@ def _nonfinite(slots: Sequence[Tensor]) -> set:
     return {i for i, slot in enumerate(slots) if not bool(torch.isfinite(slot).all())}
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def _validate(matrix_rank, min_compression_rate, warmup_steps, seed, optimizer,
               step_ahead) -> None:
-    if not _is_int(matrix_rank) or matrix_rank < 1:
-        raise ValueError(f"matrix_rank must be a positive int, got {matrix_rank!r}")
-    if (not isinstance(min_compression_rate, numbers.Real) or isinstance(min_compression_rate, bool)
-            or not min_compression_rate >= 0):
-        raise ValueError("min_compression_rate must be a number >= 0, got "
-                         f"{min_compression_rate!r}")
-    if not _is_int(warmup_steps) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
-    if not _is_int(seed):
-        raise TypeError(f"seed must be an int, got {seed!r}")
+    check_compression_settings(matrix_rank, min_compression_rate, warmup_steps, seed,
+                               step_ahead)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
-    if (not isinstance(step_ahead, numbers.Real) or isinstance(step_ahead, bool)
-            or not 0 <= step_ahead < math.inf):
-        raise ValueError(f"step_ahead must be a finite number >= 0, got {step_ahead!r}")

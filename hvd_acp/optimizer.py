@@ -406,6 +406,24 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def check_compression_settings(matrix_rank, min_compression_rate, warmup_steps, seed,
+                               step_ahead) -> None:
+    """The checks of ACP-SGD's own settings, shared by every front end."""
+    if not _is_int(matrix_rank) or matrix_rank < 1:
+        raise ValueError(f"matrix_rank must be a positive int, got {matrix_rank!r}")
+    if (not isinstance(min_compression_rate, numbers.Real)
+            or isinstance(min_compression_rate, bool) or not min_compression_rate >= 0):
+        raise ValueError("min_compression_rate must be a number >= 0, got "
+                         f"{min_compression_rate!r}")
+    if not _is_int(warmup_steps) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+    if not _is_int(seed):
+        raise TypeError(f"seed must be an int, got {seed!r}")
+    if (not isinstance(step_ahead, numbers.Real) or isinstance(step_ahead, bool)
+            or not step_ahead >= 0 or step_ahead == float("inf")):
+        raise ValueError(f"step_ahead must be a finite number >= 0, got {step_ahead!r}")
+
+
 def _validate(optimizer, named_parameters, compression, backward_passes_per_step, op,
               gradient_predivide_factor, num_groups, groups, sparse_as_dense, matrix_rank,
               fusion_threshold_bytes, min_compression_rate, warmup_steps, seed,
@@ -416,24 +434,14 @@ def _validate(optimizer, named_parameters, compression, backward_passes_per_step
                         f"{type(optimizer).__name__}")
     if isinstance(optimizer, DistributedOptimizer):
         raise TypeError("optimizer is already an hvd_acp.DistributedOptimizer")
-    if not _is_int(matrix_rank) or matrix_rank < 1:
-        raise ValueError(f"matrix_rank must be a positive int, got {matrix_rank!r}")
+    check_compression_settings(matrix_rank, min_compression_rate, warmup_steps, seed,
+                               step_ahead)
     if not _is_int(backward_passes_per_step) or backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be a positive int, got "
                          f"{backward_passes_per_step!r}")
     if not _is_int(fusion_threshold_bytes) or fusion_threshold_bytes < 0:
         raise ValueError("fusion_threshold_bytes must be an int >= 0, got "
                          f"{fusion_threshold_bytes!r}")
-    if not isinstance(min_compression_rate, numbers.Real) or min_compression_rate < 0:
-        raise ValueError("min_compression_rate must be a number >= 0, got "
-                         f"{min_compression_rate!r}")
-    if not _is_int(warmup_steps) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
-    if not _is_int(seed):
-        raise TypeError(f"seed must be an int, got {seed!r}")
-    if (not isinstance(step_ahead, numbers.Real) or isinstance(step_ahead, bool)
-            or not step_ahead >= 0 or step_ahead == float("inf")):
-        raise ValueError(f"step_ahead must be a finite number >= 0, got {step_ahead!r}")
     if not isinstance(gradient_predivide_factor, numbers.Real) or gradient_predivide_factor <= 0:
         raise ValueError("gradient_predivide_factor must be a number > 0, got "
                          f"{gradient_predivide_factor!r}")

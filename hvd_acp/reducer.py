@@ -35,7 +35,7 @@ from torch import Tensor
 from .comm import Communicator
 from .diagnostics import StepRecord, subspace_turn
 from .compression import (Phase, compress_, compute_dtype, init_factor, local_residual_,
-                          orthonormalize_, reconstruct_)
+                          orthonormalize_, phase_of, reconstruct_)
 from .fusion import Bucket, TensorLayout, make_layouts, plan_buckets
 
 logger = logging.getLogger(__name__)
@@ -159,10 +159,7 @@ class ACPReducer:
     @property
     def phase(self) -> Phase:
         """Phase of the current step, derived from ``step_count``."""
-        compressed_steps = self.step_count - self.warmup_steps
-        if compressed_steps < 0:
-            return Phase.DENSE
-        return Phase.P if compressed_steps % 2 == 0 else Phase.Q
+        return phase_of(self.step_count, self.warmup_steps)
 
     def _prepare_bases(self) -> None:
         """Orthonormalize the reused factor of every compressed tensor.
