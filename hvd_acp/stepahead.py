@@ -139,7 +139,7 @@ class StepAhead:
         self.unit = float(unit)
         # A rank outside the process set sends nothing and keeps no residual.
         self.pending = (bool(self.step_ahead) and bool(self.reducer.errors)
-                        and self.reducer.included)
+                        and getattr(self.reducer, "included", True))
 
     def _groups(self) -> Dict[int, Tuple[dict, dict]]:
         found = {}
