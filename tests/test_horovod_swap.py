@@ -12,7 +12,6 @@ from tests.hvdrun import horovodrun, rank_lines
 pytestmark = pytest.mark.horovod
 
 TIMEOUT_S = 300
-DYNAMIC_SETS = {"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}
 
 
 def run(case, np=2, env=None, timeout=TIMEOUT_S):
@@ -39,11 +38,11 @@ def test_sparse_gradients_reach_the_optimizer_sparse_both_ways():
 
 
 def test_rank_outside_the_process_set_steps_locally():
-    run("process_set", env=DYNAMIC_SETS)
+    run("process_set")
 
 
 def test_construction_runs_no_collective_outside_the_process_set():
-    run("process_set_construction", np=3, env=DYNAMIC_SETS)
+    run("process_set_construction", np=3)
 
 
 def test_broadcast_state_and_options_of_every_torch_optimizer():
