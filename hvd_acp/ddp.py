@@ -33,7 +33,7 @@ from .compression import (Phase, compress_, compute_dtype, init_factor, local_re
                           orthonormalize_, phase_of, reconstruct_)
 from .fusion import TensorLayout, make_layouts
 from .optimizer import DEFAULT_STEP_AHEAD, check_compression_settings
-from .reducer import STATE_FORMAT_VERSION, check_state_version
+from .reducer import STATE_FORMAT_VERSION, check_state_version, load_entry
 from .stepahead import StepAhead
 
 __all__ = ["ACPState", "acp_hook"]
@@ -368,16 +368,8 @@ class ACPState:
         if entry is None:
             raise ValueError(f"hvd_acp state has no entry for the compressed parameter "
                              f"{name!r} (a checkpoint of another model?)")
-        for key, target in (("P", factors.p), ("Q", factors.q), ("error", factors.error)):
-            if key == "error" and (reset_error or key not in entry):
-                target.zero_()
-                continue
-            value = entry[key]
-            if tuple(value.shape) != tuple(target.shape):
-                raise ValueError(
-                    f"hvd_acp state for {name!r}: {key} has shape {tuple(value.shape)}, "
-                    f"expected {tuple(target.shape)} (different matrix_rank or model?)")
-            target.copy_(value)
+        load_entry(name, entry, {"P": factors.p, "Q": factors.q, "error": factors.error},
+                   reset_error)
 
     def reset_error_feedback(self) -> None:
         """Set every residual to zero."""

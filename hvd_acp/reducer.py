@@ -547,18 +547,8 @@ class ACPReducer:
             raise ValueError(f"hvd_acp state does not match the parameters: missing "
                              f"{missing}, unexpected {unexpected}")
         for name, entry in saved.items():
-            for key, target in (("P", self.p_factors[name]), ("Q", self.q_factors[name]),
-                                ("error", self.errors[name])):
-                if key == "error" and (reset_error_feedback or key not in entry):
-                    continue
-                value = entry[key]
-                if tuple(value.shape) != tuple(target.shape):
-                    raise ValueError(
-                        f"hvd_acp state for {name!r}: {key} has shape {tuple(value.shape)}, "
-                        f"expected {tuple(target.shape)} (different matrix_rank or model?)")
-                target.copy_(value)
-            if reset_error_feedback or "error" not in entry:
-                self.errors[name].zero_()
+            load_entry(name, entry, {"P": self.p_factors[name], "Q": self.q_factors[name],
+                                     "error": self.errors[name]}, reset_error_feedback)
         self.step_count = int(state["step_count"])
         self.discard_round()
         self._bases_phase = None
@@ -566,6 +556,23 @@ class ACPReducer:
     def reset_error_feedback(self) -> None:
         for error in self.errors.values():
             error.zero_()
+
+
+def load_entry(name: str, entry: dict, targets: Dict[str, Tensor],
+               reset_error_feedback: bool) -> None:
+    """Copy one parameter's saved ``P``, ``Q`` and ``error`` into ``targets``
+    (the same keys), checking shapes; the residual restarts from zero instead
+    when ``reset_error_feedback`` is set or the entry has none."""
+    for key, target in targets.items():
+        if key == "error" and (reset_error_feedback or key not in entry):
+            target.zero_()
+            continue
+        value = entry[key]
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(
+                f"hvd_acp state for {name!r}: {key} has shape {tuple(value.shape)}, "
+                f"expected {tuple(target.shape)} (different matrix_rank or model?)")
+        target.copy_(value)
 
 
 def check_state_version(state: dict, reset_error_feedback: bool) -> None:

@@ -191,6 +191,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--only", metavar="REGEX",
                         help="run only the runs whose label matches (e.g. a part of the "
                              "grid); the report is built from every summary found")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the runs whose summary is already in --results (from "
+                             "this version of the code) and run only the missing ones")
     parser.add_argument("--report-only", action="store_true",
                         help="rebuild the report from the summaries already in --results")
     args = parser.parse_args(argv)
@@ -327,6 +330,9 @@ def run_task(task: Task, args, net) -> None:
             continue
         summary = summary_path(task, run, args.results)
         if summary.exists():
+            if args.resume:
+                print(f"[compare] keeping {_rel(summary)}", flush=True)
+                continue
             summary.unlink()
         cmd = command(task, run, args.np, summary)
         print(f"[compare] {shell_line(cmd)}", flush=True)

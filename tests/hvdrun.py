@@ -31,23 +31,11 @@ def horovodrun(script: str, *args: str, np: int = 2, timeout: float = 180,
     hosts = hosts if hosts is not None else ["-H", f"localhost:{np}"]
     cmd = [str(launcher), "-np", str(np), *hosts, "--gloo",
            sys.executable, str(WORKERS / script), *args]
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                    PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    full_env.update(env or {})
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=full_env, cwd=REPO, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"horovodrun {script} {' '.join(args)} timed out after {timeout}s "
-                    f"(a hang?)\n{out[-6000:]}")
-    result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
-    if check and proc.returncode != 0:
-        pytest.fail(f"horovodrun {script} {' '.join(args)} exited {proc.returncode}\n"
-                    f"{out[-8000:]}")
-    return result
+    what = f"horovodrun {script} {' '.join(args)}"
+    returncode, out = _run(cmd, timeout, what, env)
+    if check and returncode != 0:
+        pytest.fail(f"{what} exited {returncode}\n{out[-8000:]}")
+    return subprocess.CompletedProcess(cmd, returncode, out, "")
 
 
 def torchrun(script: str | Path, *args: str, np: int = 2, timeout: float = 180,
@@ -67,6 +55,13 @@ def torchrun(script: str | Path, *args: str, np: int = 2, timeout: float = 180,
 def run_with_timeout(cmd: list[str], timeout: float, what: str,
                      env: dict | None = None) -> str:
     """Run ``cmd`` from the repository; its output, or a test failure on timeout."""
+    return _run(cmd, timeout, what, env)[1]
+
+
+def _run(cmd: list[str], timeout: float, what: str, env: dict | None) -> tuple[int, str]:
+    """(exit status, output) of ``cmd`` run from the repository with one
+    thread per process; on timeout its whole process group is killed and the
+    test fails."""
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                     PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     full_env.update(env or {})
@@ -78,7 +73,7 @@ def run_with_timeout(cmd: list[str], timeout: float, what: str,
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         pytest.fail(f"{what} timed out after {timeout}s (a hang?)\n{out[-6000:]}")
-    return out
+    return proc.returncode, out
 
 
 def rank_lines(output: str, tag: str) -> list[str]:

@@ -1,5 +1,4 @@
 """Elastic Horovod: a worker dies, training goes on, a new worker joins."""
-import re
 import socket
 import stat
 
