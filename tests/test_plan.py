@@ -113,6 +113,19 @@ def test_two_buckets_overlap_backward():
     assert pred.link_busy_s == pytest.approx(4.0)
 
 
+def test_host_work_serial_or_beside():
+    prof = synthetic([{"name": "w", "bytes": 1e6, "ready_s": 0.0}])
+    host = net(host_s_per_byte=1e-6)
+    # Beside computation: the 1 s of host work lengthens the all-reduce (1 + 1 s),
+    # hidden under backward (2 s) but for what runs past it.
+    beside = predict_methods(prof, Settings(np=2, network=host, cycle_time_s=0.0), ["ssgd"])
+    assert beside["ssgd"].step_s == pytest.approx(3.5)
+    # Serial: the wire's 1 s hides under backward, the host's 1 s adds to the step.
+    serial = predict_methods(prof, Settings(np=2, network=host, cycle_time_s=0.0,
+                                            host_serial=True), ["ssgd"])
+    assert serial["ssgd"].step_s == pytest.approx(4.5)
+
+
 def test_powersgd_dependent_round():
     params = [{"name": "w", "bytes": 4e6, "ready_s": 2.0, "compressed": True,
                "psgd_p_s": 0.1, "psgd_q_s": 0.2, "reconstruct_s": 0.05}]

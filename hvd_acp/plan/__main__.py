@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="host cost per byte of an all-reduce (default: the profile's)")
     pred.add_argument("--wire-efficiency", type=_positive_float, default=None,
                       help="payload share of the link rate (default 1448/1514, TCP on Ethernet)")
+    pred.add_argument("--host-serial", action="store_true",
+                      help="the collectives' host work delays computation (no spare core per "
+                           "rank, e.g. a CPU cluster with a rank per core)")
     pred.add_argument("--save-profile", type=Path, default=None,
                       help="with --model: also write the profile measured here")
     pred.add_argument("--no-plot", action="store_true", help="skip plan.png")
@@ -211,7 +214,7 @@ def _predict(parser, args, command: str) -> int:
     opts = {"cycle_time_ms": args.horovod_cycle_time_ms, "compute_scale": args.compute_scale,
             "host_s_per_byte": args.host_s_per_byte, "wire_efficiency": args.wire_efficiency,
             "gpus_per_node": args.gpus_per_node, "intra_bandwidth_mbit": intra,
-            "intra_latency_us": args.intra_latency_us}
+            "intra_latency_us": args.intra_latency_us, "host_serial": args.host_serial}
     write_plan(profile, args.out, nps, bws, lats, opts, command=command,
                profile_source=source, plot=not args.no_plot)
     print((args.out / "plan.md").read_text())

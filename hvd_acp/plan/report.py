@@ -63,7 +63,8 @@ def _settings(profile: dict, np: int, bw: float, latency_us: float, opts: dict) 
                   intra_bandwidth_mbit=opts.get("intra_bandwidth_mbit"),
                   intra_latency_s=(opts.get("intra_latency_us") or 0.0) * 1e-6)
     return Settings(np=np, network=net, cycle_time_s=opts.get("cycle_time_ms", 1.0) / 1e3,
-                    compute_scale=opts.get("compute_scale") or 1.0)
+                    compute_scale=opts.get("compute_scale") or 1.0,
+                    host_serial=bool(opts.get("host_serial")))
 
 
 def predict_grid(profile: dict, nps: Sequence[int], bandwidths_mbit: Sequence[float],

@@ -64,6 +64,12 @@ class Settings:
         ddp_compute_scale: the same for the DDP hook (default compute_scale).
         cycle_phases: the cycle's phase relative to the step is unknown, so
             figures are averaged over this many evenly spaced phases.
+        host_serial: the host's work on collectives (``host_s_per_byte``)
+            has no core of its own and delays computation: it is added to
+            the step instead of lengthening each collective. True where
+            every core runs a rank's compute (this machine: 2 ranks on 2
+            cores); False where it runs beside it (a GPU node, where the
+            host barely takes part anyway).
     """
 
     np: int
@@ -73,6 +79,7 @@ class Settings:
     compute_scale: float = 1.0
     ddp_compute_scale: Optional[float] = None
     cycle_phases: int = 4
+    host_serial: bool = False
 
     def __post_init__(self):
         if not isinstance(self.np, int) or self.np < 1:
@@ -160,6 +167,23 @@ class HorovodThread:
         return finish
 
 
+class _Costs:
+    """Collective durations, and the host work set aside when it is serial."""
+
+    def __init__(self, settings: Settings, scale: float):
+        self.np = settings.np
+        self.full = settings.network.scaled_host(scale)
+        self.serial = settings.host_serial
+        self.wire = self.full.scaled_host(0.0) if self.serial else self.full
+        self.host_s = 0.0
+
+    def __call__(self, nbytes: float) -> float:
+        if self.serial:
+            self.host_s += (allreduce_s(nbytes, self.np, self.full)
+                            - allreduce_s(nbytes, self.np, self.wire))
+        return allreduce_s(nbytes, self.np, self.wire)
+
+
 def _backward_order(profile: dict) -> List[dict]:
     return sorted(profile["params"], key=lambda p: p["ready_s"])
 
@@ -185,13 +209,14 @@ def _by_name(profile: dict) -> Dict[str, dict]:
 
 
 def _predict_ssgd(profile, settings, origin) -> StepPrediction:
-    s, net = settings.compute_scale, settings.network.scaled_host(settings.compute_scale)
-    thread = HorovodThread(settings.cycle_time_s, settings.horovod_fusion_bytes,
-                           lambda b: allreduce_s(b, settings.np, net), origin)
+    s = settings.compute_scale
+    costs = _Costs(settings, s)
+    thread = HorovodThread(settings.cycle_time_s, settings.horovod_fusion_bytes, costs, origin)
     start = profile["forward_s"] * s
     params = _backward_order(profile)
     finish = thread.submit([(start + p["ready_s"] * s, p["bytes"]) for p in params])
-    end = max([start + profile["backward_s"] * s] + finish) + profile["optimizer_s"] * s
+    end = (max([start + profile["backward_s"] * s] + finish) + profile["optimizer_s"] * s
+           + costs.host_s)
     compute = _compute_s(profile, s)
     total = sum(p["bytes"] for p in params)
     return StepPrediction(end, compute, 0.0, end - compute, total,
@@ -203,7 +228,8 @@ def _reconstruct_s(members: Sequence[str], params: Dict[str, dict]) -> float:
 
 
 def _predict_acp_phase(profile, settings, origin, phase: str) -> StepPrediction:
-    s, net = settings.compute_scale, settings.network.scaled_host(settings.compute_scale)
+    s = settings.compute_scale
+    costs = _Costs(settings, s)
     params = _by_name(profile)
     key = "acp_p_s" if phase == "P" else "acp_q_s"
     orth = profile["orthonormalize_s"]["acp_" + phase.lower()]
@@ -211,15 +237,14 @@ def _predict_acp_phase(profile, settings, origin, phase: str) -> StepPrediction:
     done, bwd_end = _hooked_backward(profile, s, start, orth,
                                      lambda p: p.get(key, 0.0) if p["compressed"] else 0.0)
     buckets = profile["buckets"]["acp_" + phase.lower()]
-    thread = HorovodThread(settings.cycle_time_s, settings.horovod_fusion_bytes,
-                           lambda b: allreduce_s(b, settings.np, net), origin)
+    thread = HorovodThread(settings.cycle_time_s, settings.horovod_fusion_bytes, costs, origin)
     finish = thread.submit([(max(done[n] for n in b["members"]), b["bytes"]) for b in buckets])
     t, recon = bwd_end, 0.0
     for bucket, arrived in zip(buckets, finish):
         r = _reconstruct_s(bucket["members"], params) * s
         t = max(t, arrived) + r
         recon += r
-    t += profile["optimizer_s"] * s
+    t += profile["optimizer_s"] * s + costs.host_s
     compute = _compute_s(profile, s)
     compression = orth * s + sum(p.get(key, 0.0) for p in params.values()
                                  if p["compressed"]) * s + recon
@@ -228,13 +253,13 @@ def _predict_acp_phase(profile, settings, origin, phase: str) -> StepPrediction:
 
 
 def _predict_powersgd(profile, settings, origin) -> StepPrediction:
-    s, net = settings.compute_scale, settings.network.scaled_host(settings.compute_scale)
+    s = settings.compute_scale
+    costs = _Costs(settings, s)
     params = _by_name(profile)
     start = profile["forward_s"] * s
     done, bwd_end = _hooked_backward(profile, s, start, 0.0,
                                      lambda p: p.get("psgd_p_s", 0.0) if p["compressed"] else 0.0)
-    thread = HorovodThread(settings.cycle_time_s, settings.horovod_fusion_bytes,
-                           lambda b: allreduce_s(b, settings.np, net), origin)
+    thread = HorovodThread(settings.cycle_time_s, settings.horovod_fusion_bytes, costs, origin)
     p_buckets, q_buckets = profile["buckets"]["psgd_p"], profile["buckets"]["psgd_q"]
     finish = thread.submit([(max(done[n] for n in b["members"]), b["bytes"])
                             for b in p_buckets])
@@ -243,7 +268,7 @@ def _predict_powersgd(profile, settings, origin) -> StepPrediction:
     t = max([bwd_end] + finish) + middle
     finish = thread.submit([(t, b["bytes"]) for b in q_buckets])
     recon = sum(p["reconstruct_s"] for p in compressed) * s
-    t = max([t] + finish) + recon + profile["optimizer_s"] * s
+    t = max([t] + finish) + recon + profile["optimizer_s"] * s + costs.host_s
     compute = _compute_s(profile, s)
     compression = (sum(p["psgd_p_s"] for p in compressed) * s + middle + recon)
     nbytes = sum(b["bytes"] for b in p_buckets) + sum(b["bytes"] for b in q_buckets)
@@ -253,7 +278,7 @@ def _predict_powersgd(profile, settings, origin) -> StepPrediction:
 
 def _predict_powersgd_ddp(profile, settings) -> StepPrediction:
     s = settings.ddp_compute_scale or settings.compute_scale
-    net = settings.network.scaled_host(s)
+    costs = _Costs(settings, s)
     params = _by_name(profile)
     n_compressed = sum(1 for p in params.values() if p["ddp_compressed"]) or 1
     start = profile["forward_s"] * s
@@ -264,7 +289,7 @@ def _predict_powersgd_ddp(profile, settings) -> StepPrediction:
         nonlocal link_free, nbytes, collectives, busy
         if size <= 0:
             return at
-        duration = allreduce_s(size, settings.np, net)
+        duration = costs(size)
         link_free = max(at, link_free) + duration
         nbytes += size
         collectives += 1
@@ -292,7 +317,7 @@ def _predict_powersgd_ddp(profile, settings) -> StepPrediction:
             compression += p_cost + middle + recon
         chain_end = t
     bwd_end = start + profile["backward_s"] * s + shift
-    end = max(bwd_end, chain_end) + profile["optimizer_s"] * s
+    end = max(bwd_end, chain_end) + profile["optimizer_s"] * s + costs.host_s
     compute = _compute_s(profile, s)
     return StepPrediction(end, compute, compression, end - compute - compression, nbytes,
                           collectives, busy)

@@ -11,8 +11,10 @@ are scaled by one factor per front end::
     DDP hook:        c = (floor with every rank computing at once) / profile's step
 
 A run without those diagnostic jobs (no ``--diagnostics``) uses its
-single-process floor for both. Nothing is read from the methods' own
-measurements.
+single-process floor for both. Where the run had no spare core (cores <=
+ranks x threads per rank, as on this 2-core machine) the collectives' host
+work is serial with computation (``Settings.host_serial``). Nothing is read
+from the methods' own measurements.
 """
 from __future__ import annotations
 
@@ -67,9 +69,13 @@ def validate(bench: dict, profile: dict, calibrate: bool = True,
                   wire_efficiency=wire_efficiency or Network.wire_efficiency,
                   host_s_per_byte=profile.get("host_s_per_byte", 0.0))
     cycle_ms = cfg.get("horovod_cycle_time_ms") or 1.0
+    # No spare core (every core runs a rank's compute thread): the collectives'
+    # host work delays computation instead of running beside it.
+    cores, threads = cfg.get("cpus"), int(cfg.get("threads_per_rank") or 1)
+    host_serial = bool(cores) and cores <= int(cfg["np"]) * threads
     settings = Settings(np=int(cfg["np"]), network=net, cycle_time_s=cycle_ms / 1e3,
                         compute_scale=cal["compute_scale"],
-                        ddp_compute_scale=cal["ddp_compute_scale"])
+                        ddp_compute_scale=cal["ddp_compute_scale"], host_serial=host_serial)
     methods = [m for m in METHODS if m in bench["methods"]
                and bench["methods"][m].get("step_s_median")]
     preds = predict_methods(profile, settings, methods)
@@ -85,7 +91,7 @@ def validate(bench: dict, profile: dict, calibrate: bool = True,
     return {"run": cfg.get("command"), "model": cfg.get("model"), "np": cfg.get("np"),
             "batch_size": cfg.get("batch_size"), "matrix_rank": cfg.get("matrix_rank"),
             "bandwidth_mbit": cfg.get("bandwidth_mbit"), "cycle_time_ms": cycle_ms,
-            "calibration": cal, "methods": rows, "worst_method": worst,
+            "calibration": cal, "host_serial": host_serial, "methods": rows, "worst_method": worst,
             "worst_abs_error": abs(rows[worst]["error"]) if worst else None}
 
 
