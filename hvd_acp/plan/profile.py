@@ -72,22 +72,25 @@ def ddp_buckets(named: Sequence[tuple], first_bytes: int = DDP_FIRST_BUCKET_BYTE
                 cap_bytes: int = DDP_BUCKET_BYTES) -> List[List[str]]:
     """DDP's gradient buckets, in the order backward fills them.
 
-    Uses torch's own assignment (``dist._compute_bucket_assignment_by_size``,
-    as ``DistributedDataParallel`` calls it, reversed) where available.
+    After its first iteration DDP rebuilds its buckets in the order the
+    gradients arrived, the first one capped at 1 MiB and the others at
+    ``bucket_cap_mb``; those are the buckets of every timed step. They are
+    computed here with torch's own assignment
+    (``dist._compute_bucket_assignment_by_size``) over the parameters in
+    backward order (reverse registration order).
 
     Args:
         named: (name, parameter) pairs in registration order.
     """
-    names = [n for n, _ in named]
-    tensors = [p for _, p in named]
+    backward = list(reversed(list(named)))
     try:
         import torch.distributed as dist
         indices, _ = dist._compute_bucket_assignment_by_size(
-            tensors, [first_bytes, cap_bytes], [False] * len(tensors))
-        return [[names[i] for i in bucket] for bucket in reversed(indices)]
+            [p for _, p in backward], [first_bytes, cap_bytes], [False] * len(backward))
+        return [[backward[i][0] for i in bucket] for bucket in indices]
     except (ImportError, AttributeError, RuntimeError, TypeError):  # pragma: no cover
         buckets, current, size, cap = [], [], 0, first_bytes
-        for name, p in reversed(list(named)):
+        for name, p in backward:
             current.append(name)
             size += p.numel() * p.element_size()
             if size >= cap:
