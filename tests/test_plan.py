@@ -326,6 +326,13 @@ def test_validate_synthetic_run(tmp_path, capsys):
     doubled = validate(_bench({"acp": 1.0}, compute_only=7.0), prof)
     assert doubled["calibration"]["compute_scale"] == pytest.approx(2.0)
     assert doubled["methods"]["acp"]["predicted"]["compute_s"] == pytest.approx(7.0)
+    # With the diagnostic jobs: Horovod's idle floor for Horovod, the concurrent one for DDP.
+    diag = _bench({"acp": 1.0}, compute_only=3.5,
+                  diagnostics={"hvd-idle": {"step_s_median": 4.2},
+                               "compute-concurrent": {"step_s_median": 3.85}})
+    cal = validate(diag, prof)["calibration"]
+    assert cal["compute_scale"] == pytest.approx(1.2)
+    assert cal["ddp_compute_scale"] == pytest.approx(1.1)
     # The CLI: a table on stdout, exit 1 over --max-error.
     pf, bf = tmp_path / "p.json", tmp_path / "results.json"
     pf.write_text(json.dumps(prof))
