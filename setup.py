@@ -18,5 +18,6 @@ setup(
         "bench": ["transformers", "tqdm", "matplotlib"],
         "test": ["pytest", "pytest-timeout", "scikit-learn"],
     },
-    entry_points={"console_scripts": ["hvd-acp-bench=hvd_acp.bench.__main__:main"]},
+    entry_points={"console_scripts": ["hvd-acp-bench=hvd_acp.bench.__main__:main",
+                                      "hvd-acp-plan=hvd_acp.plan.__main__:main"]},
 )

@@ -1,0 +1,275 @@
+"""``hvd-acp-plan`` / ``python -m hvd_acp.plan``: profile, predict, validate.
+
+``hvd-acp-plan profile ...`` measures one step on this machine and writes a
+profile; ``hvd-acp-plan predict ...`` (or ``hvd-acp-plan`` with predict's
+options) predicts every method's step for a grid of clusters;
+``hvd-acp-plan validate --bench RUN/results.json`` predicts a measured
+benchmark run and prints measured, predicted and error per method.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+from .cost import parse_bandwidth_list, parse_int_list
+
+MODELS = ("resnet50", "bert-base", "small")
+SUBCOMMANDS = ("profile", "predict", "validate")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value
+
+
+def _add_model_args(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument("--model", choices=MODELS, required=required,
+                   help="one of the benchmark's models, profiled on this machine")
+    p.add_argument("--batch-size", type=_positive, default=None,
+                   help="per rank (default: resnet50 8, bert-base 4, small 32)")
+    p.add_argument("--matrix-rank", type=_positive, default=None,
+                   help="factor rank (default: 4 for resnet50 and small, 32 for bert-base)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--image-size", type=_positive, default=128)
+    p.add_argument("--seq-len", type=_positive, default=64)
+    p.add_argument("--steps", type=_positive, default=3, help="timed profiling steps (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
+    p.add_argument("--repeats", type=_positive, default=3,
+                   help="timed calls of each compression kernel (default 3)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hvd-acp-plan",
+        description="Predict S-SGD, Power-SGD and ACP-SGD step times on a cluster from a "
+                    "profile measured on one device.",
+        epilog="Without a subcommand, the options are predict's: hvd-acp-plan --model "
+               "resnet50 --np 8,32 --bandwidth 1gbit,10gbit --out DIR")
+    sub = parser.add_subparsers(dest="command")
+    prof = sub.add_parser("profile", help="measure one training step on this machine")
+    _add_model_args(prof, required=True)
+    prof.add_argument("--out", type=Path, required=True, help="profile.json to write")
+
+    pred = sub.add_parser("predict", help="predict step times for a grid of clusters")
+    src = pred.add_argument_group("profile (one of)")
+    src.add_argument("--profile", type=Path, default=None, help="a profile.json")
+    _add_model_args(pred, required=False)
+    pred.add_argument("--np", default="2,8,32,64", help="ranks, comma-separated")
+    pred.add_argument("--bandwidth", default="1gbit,10gbit,100gbit",
+                      help="per-node link rates, comma-separated (tc units: 100mbit, 1gbit)")
+    pred.add_argument("--latency-us", default="20",
+                      help="latency of one ring step, microseconds, comma-separated")
+    pred.add_argument("--gpus-per-node", type=_positive, default=1,
+                      help="GPUs per node: > 1 prices hierarchical all-reduces")
+    pred.add_argument("--intra-bandwidth", default=None,
+                      help="rate between the GPUs of a node (needed with --gpus-per-node > 1)")
+    pred.add_argument("--intra-latency-us", type=_non_negative_float, default=2.0)
+    pred.add_argument("--horovod-cycle-time-ms", type=_non_negative_float, default=1.0,
+                      help="HOROVOD_CYCLE_TIME (default Horovod's, 1 ms)")
+    pred.add_argument("--compute-scale", type=_positive_float, default=1.0,
+                      help="multiply the profile's compute and compression times (e.g. to "
+                           "project a CPU profile onto a faster device; default 1)")
+    pred.add_argument("--host-s-per-byte", type=_non_negative_float, default=None,
+                      help="host cost per byte of an all-reduce (default: the profile's)")
+    pred.add_argument("--wire-efficiency", type=_positive_float, default=None,
+                      help="payload share of the link rate (default 1448/1514, TCP on Ethernet)")
+    pred.add_argument("--host-serial", action="store_true",
+                      help="the collectives' host work delays computation (no spare core per "
+                           "rank, e.g. a CPU cluster with a rank per core)")
+    pred.add_argument("--save-profile", type=Path, default=None,
+                      help="with --model: also write the profile measured here")
+    pred.add_argument("--no-plot", action="store_true", help="skip plan.png")
+    pred.add_argument("--out", type=Path, required=True, help="output directory")
+
+    val = sub.add_parser("validate", help="predict a measured benchmark run and compare")
+    val.add_argument("--bench", type=Path, required=True, nargs="+",
+                     help="one or more hvd-acp-bench results.json")
+    val.add_argument("--profile", type=Path, default=None,
+                     help="a profile of the run's model and batch (default: profile it here, "
+                          "once per distinct model, batch and rank)")
+    val.add_argument("--no-calibration", action="store_true",
+                     help="use the profile's times as they are (no floor-based scale)")
+    val.add_argument("--max-error", type=_positive_float, default=None,
+                     help="exit 1 if a method's |error| exceeds this fraction (e.g. 0.15)")
+    val.add_argument("--repeats", type=_positive, default=3)
+    val.add_argument("--steps", type=_positive, default=3)
+    val.add_argument("--out", type=Path, default=None, help="write validate.json and validate.md")
+    return parser
+
+
+def _fail(message: str) -> int:
+    print(f"hvd-acp-plan: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _read_profile(path: Path) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"profile file {str(path)!r} not found")
+    try:
+        profile = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"profile file {str(path)!r} is not JSON: {exc}") from None
+    from .profile_format import check_profile
+    check_profile(profile, str(path))
+    return profile
+
+
+def _builtin(args) -> dict:
+    from .profile import profile_builtin
+    from ..bench.__main__ import DEFAULT_BATCH_SIZE
+    return profile_builtin(args.model, args.batch_size or DEFAULT_BATCH_SIZE[args.model],
+                           matrix_rank=args.matrix_rank, device=args.device,
+                           image_size=args.image_size, seq_len=args.seq_len, steps=args.steps,
+                           warmup=args.warmup, repeats=args.repeats)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help"):
+        argv = ["predict"] + argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    command = "hvd-acp-plan " + " ".join(shlex.quote(a) for a in argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        if args.command == "profile":
+            started = time.perf_counter()
+            profile = _builtin(args)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(profile, indent=1) + "\n")
+            print(f"profile of {args.model} written to {args.out} in "
+                  f"{time.perf_counter() - started:.1f} s: forward {profile['forward_s']:.3f} s, "
+                  f"backward {profile['backward_s']:.3f} s, optimizer {profile['optimizer_s']:.3f} s")
+            return 0
+        if args.command == "predict":
+            return _predict(parser, args, command)
+        return _validate(args)
+    except FileNotFoundError as exc:
+        return _fail(str(exc))
+    except ValueError as exc:
+        return _fail(str(exc))
+
+
+def _predict(parser, args, command: str) -> int:
+    if (args.profile is None) == (args.model is None):
+        parser.error("predict needs exactly one of --profile FILE or --model NAME")
+    try:
+        nps = parse_int_list(args.np, "np")
+        bws = parse_bandwidth_list(args.bandwidth)
+        lats = [float(x) for x in args.latency_us.split(",") if x.strip()]
+        if not lats or any(x < 0 for x in lats):
+            raise ValueError(f"--latency-us must list numbers >= 0, got {args.latency_us!r}")
+        intra = parse_bandwidth_list(args.intra_bandwidth)[0] if args.intra_bandwidth else None
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.gpus_per_node > 1:
+        if intra is None:
+            parser.error("--gpus-per-node > 1 needs --intra-bandwidth")
+        bad = [n for n in nps if n > args.gpus_per_node and n % args.gpus_per_node]
+        if bad:
+            parser.error(f"--np values {bad} are not multiples of --gpus-per-node "
+                         f"{args.gpus_per_node}")
+    started = time.perf_counter()
+    if args.profile is not None:
+        profile, source = _read_profile(args.profile), str(args.profile)
+    else:
+        profile, source = _builtin(args), f"measured here ({args.model}, {args.device})"
+        if args.save_profile:
+            args.save_profile.write_text(json.dumps(profile, indent=1) + "\n")
+    from .report import write_plan
+    opts = {"cycle_time_ms": args.horovod_cycle_time_ms, "compute_scale": args.compute_scale,
+            "host_s_per_byte": args.host_s_per_byte, "wire_efficiency": args.wire_efficiency,
+            "gpus_per_node": args.gpus_per_node, "intra_bandwidth_mbit": intra,
+            "intra_latency_us": args.intra_latency_us, "host_serial": args.host_serial}
+    write_plan(profile, args.out, nps, bws, lats, opts, command=command,
+               profile_source=source, plot=not args.no_plot)
+    print((args.out / "plan.md").read_text())
+    print(f"wrote {args.out}/plan.json, plan.md" + ("" if args.no_plot else ", plan.png")
+          + f" in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def _validate(args) -> int:
+    from .validate import format_validation, load_bench, validate
+    benches = [(path, load_bench(path)) if path.is_file() else (path, None)
+               for path in args.bench]
+    missing = [str(p) for p, b in benches if b is None]
+    if missing:
+        raise FileNotFoundError(f"benchmark results {', '.join(missing)} not found")
+    given = _read_profile(args.profile) if args.profile else None
+    cache = {}
+    results, text, worst = [], [], 0.0
+    for path, bench in benches:
+        cfg = bench["config"]
+        if given is not None:
+            profile = given
+        else:
+            key = (cfg["model"], cfg["batch_size"], cfg["matrix_rank"],
+                   cfg.get("image_size") or 128, cfg.get("seq_len") or 64)
+            if key not in cache:
+                from .profile import profile_builtin
+                import torch
+                torch.set_num_threads(int(cfg.get("threads_per_rank") or 1))
+                cache[key] = profile_builtin(key[0], key[1], matrix_rank=key[2],
+                                             image_size=key[3], seq_len=key[4],
+                                             steps=args.steps, repeats=args.repeats)
+            profile = cache[key]
+        result = validate(bench, profile, calibrate=not args.no_calibration)
+        result["bench"] = str(path)
+        results.append(result)
+        block = format_validation(result, str(path.parent.name or path))
+        text.append(block)
+        print(block)
+        worst = max(worst, result["worst_abs_error"] or 0.0)
+    print(f"worst |error| over {len(results)} run(s): {worst * 100:.1f}%")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "validate.json").write_text(json.dumps(results, indent=1) + "\n")
+        (args.out / "validate.md").write_text("\n".join(text))
+        if cache:
+            for i, profile in enumerate(cache.values()):
+                (args.out / f"profile_{profile['model']}_b{profile['batch_size']}.json"
+                 ).write_text(json.dumps(profile, indent=1) + "\n")
+    if args.max_error is not None and worst > args.max_error:
+        print(f"hvd-acp-plan: worst error {worst * 100:.1f}% exceeds --max-error "
+              f"{args.max_error * 100:.1f}%", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,321 @@
+"""Profile of one training step on the device where training will run.
+
+Measured in one process, no communication:
+
+- ``forward_s``, ``backward_s``, ``optimizer_s``: medians over the timed steps;
+- per parameter, ``ready_s``: when in backward its gradient is accumulated
+  (a post-accumulate-grad hook; on CUDA the hook synchronizes the device
+  first, so the time is when the kernels are done);
+- per compressed parameter, the maths of :mod:`hvd_acp.compression` timed
+  on tensors of its shape and dtype: ACP-SGD's P and Q step (``acp_p_s``,
+  ``acp_q_s``: error feedback, projection, local residual), Power-SGD's two
+  halves (``psgd_p_s``, ``psgd_q_s``) and the reconstruction
+  (``reconstruct_s``); the batched orthonormalizations of each step;
+- the fused buffers each method sends, from :func:`hvd_acp.fusion.plan_buckets`
+  (the optimizer's own plan) and DDP's buckets for the DDP hook;
+- ``host_s_per_byte``: a fused all-reduce's own work per byte on this device
+  (copy into the fusion buffer, add a peer's chunk, copy out).
+
+The result is a plain dict, saved as JSON; :mod:`.timeline` needs nothing else.
+"""
+from __future__ import annotations
+
+import logging
+import platform
+import statistics
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..compression import (Phase, compress_, compute_dtype, local_residual_, orthonormalize_,
+                           project_, reconstruct_)
+from ..fusion import make_layouts, plan_buckets
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["profile_model", "profile_builtin", "PROFILE_FORMAT", "DEFAULT_FUSION_THRESHOLD_BYTES"]
+
+PROFILE_FORMAT = 1
+#: hvd_acp.DistributedOptimizer's default fusion_threshold_bytes.
+DEFAULT_FUSION_THRESHOLD_BYTES = 25 * 1024 * 1024
+#: DDP's defaults: the first bucket 1 MiB, the others bucket_cap_mb=25.
+DDP_FIRST_BUCKET_BYTES = 1024 * 1024
+DDP_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
+    """Median seconds of ``fn`` over ``repeats`` calls after one untimed call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        started = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def _ddp_should_compress(n: int, m: int, r: int, rate: float) -> bool:
+    # powerSGD_hook's rule: strictly smaller (hvd_acp's should_compress allows equality).
+    return (n + m) * r * rate < n * m
+
+
+def ddp_buckets(named: Sequence[tuple], first_bytes: int = DDP_FIRST_BUCKET_BYTES,
+                cap_bytes: int = DDP_BUCKET_BYTES) -> List[List[str]]:
+    """DDP's gradient buckets, in the order backward fills them.
+
+    After its first iteration DDP rebuilds its buckets in the order the
+    gradients arrived, the first one capped at 1 MiB and the others at
+    ``bucket_cap_mb``; those are the buckets of every timed step. They are
+    computed here with torch's own assignment
+    (``dist._compute_bucket_assignment_by_size``) over the parameters in
+    backward order (reverse registration order).
+
+    Args:
+        named: (name, parameter) pairs in registration order.
+    """
+    backward = list(reversed(list(named)))
+    try:
+        import torch.distributed as dist
+        indices, _ = dist._compute_bucket_assignment_by_size(
+            [p for _, p in backward], [first_bytes, cap_bytes], [False] * len(backward))
+        return [[backward[i][0] for i in bucket] for bucket in indices]
+    except (ImportError, AttributeError, RuntimeError, TypeError):  # pragma: no cover
+        buckets, current, size, cap = [], [], 0, first_bytes
+        for name, p in backward:
+            current.append(name)
+            size += p.numel() * p.element_size()
+            if size >= cap:
+                buckets.append(current)
+                current, size, cap = [], 0, cap_bytes
+        if current:
+            buckets.append(current)
+        return buckets
+
+
+def _host_s_per_byte(device: torch.device, repeats: int, nbytes: int = 16 * 1024 * 1024) -> float:
+    """Seconds per byte of a fused all-reduce's local work: copy in, add, copy out."""
+    numel = nbytes // 4
+    a = torch.randn(numel, device=device)
+    b = torch.randn(numel, device=device)
+    buf = torch.empty(numel, device=device)
+
+    def work():
+        buf.copy_(a)
+        buf.add_(b)
+        a.copy_(buf)
+    return _timed(work, device, repeats) / nbytes
+
+
+def _time_compression(lay, device: torch.device, repeats: int, gen: torch.Generator) -> Dict:
+    n, m, r, dtype = lay.n, lay.m, lay.r, lay.dtype
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float32).to(dtype=dtype,
+                                                                        device=device)
+    grad, error = rand(n, m), rand(n, m) * 0.01
+    qh = torch.linalg.qr(rand(m, r))[0]
+    ph = torch.linalg.qr(rand(n, r))[0]
+    out_p, out_q = torch.empty(n, r, dtype=dtype, device=device), \
+        torch.empty(m, r, dtype=dtype, device=device)
+    target = torch.empty(n, m, dtype=dtype, device=device)
+
+    def acp_p():
+        compress_(grad, error, qh, out_p)
+        local_residual_(error, out_p, qh)
+
+    def acp_q():
+        compress_(grad.t(), error.t(), ph, out_q)
+        local_residual_(error.t(), out_q, ph)
+
+    def psgd_p():
+        compress_(grad, error, qh, out_p)
+
+    def psgd_q():
+        project_(error.t(), ph, out_q)
+        local_residual_(error.t(), out_q, ph)
+
+    def recon():
+        reconstruct_(target, ph, out_q)
+
+    return {"acp_p_s": _timed(acp_p, device, repeats), "acp_q_s": _timed(acp_q, device, repeats),
+            "psgd_p_s": _timed(psgd_p, device, repeats),
+            "psgd_q_s": _timed(psgd_q, device, repeats),
+            "reconstruct_s": _timed(recon, device, repeats)}
+
+
+def _bucket_dicts(buckets) -> List[dict]:
+    return [{"bytes": b.nbytes, "members": [s.name for s in b.slots], "name": b.name}
+            for b in buckets]
+
+
+def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_rank: int = 4,
+                  device: Optional[str] = None, optimizer: Optional[torch.optim.Optimizer] = None,
+                  steps: int = 3, warmup: int = 1, repeats: int = 3,
+                  fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD_BYTES,
+                  min_compression_rate: float = 2.0, description: str = "") -> dict:
+    """Profile one training step of ``model`` (see the module docstring).
+
+    Args:
+        model: the module (moved to ``device``; trained for a few steps).
+        example_batch: a tensor, tuple or dict of tensors (moved to ``device``).
+        loss_fn: ``loss_fn(model, batch)`` returns the scalar loss.
+        matrix_rank: rank r of the factors.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default: the model's.
+        optimizer: the optimizer whose update is timed; default
+            ``SGD(lr=1e-3, momentum=0.9)``.
+        steps, warmup: timed and untimed training steps.
+        repeats: timed calls of each compression kernel.
+        fusion_threshold_bytes, min_compression_rate: as for
+            :class:`hvd_acp.DistributedOptimizer`.
+
+    Returns:
+        The profile, a JSON-serializable dict.
+    """
+    for arg, value in (("matrix_rank", matrix_rank), ("steps", steps), ("repeats", repeats)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{arg} must be a positive int, got {value!r}")
+    if not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    if device is None:
+        first = next(model.parameters(), None)
+        device = str(first.device) if first is not None else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but torch sees no CUDA device")
+    model = model.to(dev)
+    batch = _to(example_batch, dev)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError("the model has no parameter that requires a gradient")
+    if optimizer is None:
+        optimizer = torch.optim.SGD([p for _, p in named], lr=1e-3, momentum=0.9)
+
+    ready: Dict[str, List[float]] = {n: [] for n, _ in named}
+    clock = {"t": 0.0, "on": False}
+
+    def make_hook(name):
+        def hook(_param):
+            if clock["on"]:
+                _sync(dev)
+                ready[name].append(time.perf_counter() - clock["t"])
+        return hook
+    handles = [p.register_post_accumulate_grad_hook(make_hook(n)) for n, p in named]
+    forward, backward, update = [], [], []
+    try:
+        for step in range(warmup + steps):
+            timed = step >= warmup
+            optimizer.zero_grad(set_to_none=True)
+            _sync(dev)
+            t0 = time.perf_counter()
+            loss = loss_fn(model, batch)
+            _sync(dev)
+            t1 = time.perf_counter()
+            clock.update(t=t1, on=timed)
+            loss.backward()
+            _sync(dev)
+            t2 = time.perf_counter()
+            clock["on"] = False
+            optimizer.step()
+            _sync(dev)
+            t3 = time.perf_counter()
+            if timed:
+                forward.append(t1 - t0)
+                backward.append(t2 - t1)
+                update.append(t3 - t2)
+    finally:
+        for h in handles:
+            h.remove()
+    optimizer.zero_grad(set_to_none=True)
+
+    layouts = make_layouts([(n, tuple(p.shape), p.dtype) for n, p in named], matrix_rank,
+                           min_compression_rate, payload_dtype=compute_dtype)
+    gen = torch.Generator().manual_seed(0)
+    params = []
+    p_factors, q_factors = [], []
+    for (name, p), lay in zip(named, layouts):
+        entry = {"name": name, "shape": list(lay.shape), "dtype": str(p.dtype).replace("torch.", ""),
+                 "numel": p.numel(), "bytes": p.numel() * p.element_size(),
+                 "ready_s": statistics.median(ready[name]) if ready[name] else 0.0,
+                 "got_gradient": bool(ready[name]), "compressed": lay.compressed,
+                 "n": lay.n, "m": lay.m, "r": lay.r}
+        if lay.compressed:
+            entry.update(_time_compression(lay, dev, repeats, gen))
+            p_factors.append(torch.randn(lay.n, lay.r, generator=gen).to(dev, lay.dtype))
+            q_factors.append(torch.randn(lay.m, lay.r, generator=gen).to(dev, lay.dtype))
+        r_ddp = max(0, min(lay.n, lay.m, matrix_rank))
+        ddp_compressed = len(lay.shape) >= 2 and r_ddp > 0 and _ddp_should_compress(
+            lay.n, lay.m, r_ddp, min_compression_rate)
+        entry.update(ddp_compressed=ddp_compressed,
+                     ddp_p_bytes=lay.n * r_ddp * p.element_size() if ddp_compressed else 0,
+                     ddp_q_bytes=lay.m * r_ddp * p.element_size() if ddp_compressed else 0)
+        params.append(entry)
+    orth_q = _timed(lambda: orthonormalize_(f.clone() for f in q_factors), dev, repeats) \
+        if q_factors else 0.0
+    orth_p = _timed(lambda: orthonormalize_(f.clone() for f in p_factors), dev, repeats) \
+        if p_factors else 0.0
+
+    compressed_layouts = [lay for lay in layouts if lay.compressed]
+    buckets = {
+        "acp_p": _bucket_dicts(plan_buckets(layouts, Phase.P, fusion_threshold_bytes)),
+        "acp_q": _bucket_dicts(plan_buckets(layouts, Phase.Q, fusion_threshold_bytes)),
+        "psgd_p": _bucket_dicts(plan_buckets(layouts, Phase.P, fusion_threshold_bytes,
+                                             prefix="hvd_acp.powersgd")),
+        "psgd_q": _bucket_dicts(plan_buckets(compressed_layouts, Phase.Q,
+                                             fusion_threshold_bytes, prefix="hvd_acp.powersgd"))
+        if compressed_layouts else [],
+    }
+    return {
+        "format": PROFILE_FORMAT,
+        "description": description or type(model).__name__,
+        "device": str(dev),
+        "device_name": (torch.cuda.get_device_name(dev) if dev.type == "cuda"
+                        else platform.processor() or platform.machine()),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "matrix_rank": matrix_rank,
+        "fusion_threshold_bytes": fusion_threshold_bytes,
+        "min_compression_rate": min_compression_rate,
+        "steps": steps, "warmup": warmup, "repeats": repeats,
+        "forward_s": statistics.median(forward),
+        "backward_s": statistics.median(backward),
+        "optimizer_s": statistics.median(update),
+        "gradient_bytes": sum(e["bytes"] for e in params),
+        "host_s_per_byte": _host_s_per_byte(dev, repeats),
+        "orthonormalize_s": {"acp_p": orth_q, "acp_q": orth_p, "psgd": orth_p},
+        "params": params,
+        "buckets": buckets,
+        "ddp_buckets": ddp_buckets(named),
+    }
+
+
+def _to(batch, device: torch.device):
+    if isinstance(batch, Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: _to(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to(v, device) for v in batch)
+    return batch
+
+
+def profile_builtin(model: str, batch_size: int, *, matrix_rank: Optional[int] = None,
+                    device: str = "cpu", image_size: int = 128, seq_len: int = 64,
+                    steps: int = 3, warmup: int = 1, repeats: int = 3) -> dict:
+    """Profile one of the benchmark's models (:func:`hvd_acp.bench.models.build_model`)."""
+    from ..bench.models import build_model, default_matrix_rank
+    rank = matrix_rank or default_matrix_rank(model)
+    spec = build_model(model, batch_size, image_size=image_size, seq_len=seq_len)
+    out = profile_model(spec.model, spec.batch, spec.loss_fn, matrix_rank=rank, device=device,
+                        steps=steps, warmup=warmup, repeats=repeats,
+                        description=spec.description)
+    out.update(model=model, batch_size=batch_size, image_size=image_size, seq_len=seq_len)
+    return out

@@ -1,0 +1,350 @@
+"""Timeline of one training step per method, from a profile: pure Python.
+
+Every time comes from the profile (see :mod:`.profile` for its fields) times
+a compute scale (1 unless calibrated), and every all-reduce is priced by
+:func:`.cost.allreduce_s`. One rank is simulated; every rank is assumed to
+be identical, so a collective starts when this rank has submitted it.
+
+- **S-SGD** (``hvd.DistributedOptimizer``): each gradient is handed to
+  Horovod when it is ready in backward. Horovod's background thread wakes
+  once per cycle (``HOROVOD_CYCLE_TIME``), takes every tensor submitted by
+  then, fuses them up to ``HOROVOD_FUSION_THRESHOLD`` and runs the fused
+  all-reduces one after the other; the next cycle starts one cycle after the
+  last one started, or when its collectives are done if they took longer.
+  ``step()`` waits for all, then the optimizer updates.
+- **ACP-SGD** (``hvd_acp.DistributedOptimizer``): the step orthonormalizes
+  the reused factor at its first hook, then every hook compresses its
+  gradient on the backward thread (delaying the rest of backward); a fused
+  buffer of :func:`hvd_acp.fusion.plan_buckets` is submitted to Horovod's
+  thread when its last member is compressed. ``step()`` takes the buffers
+  in order and reconstructs each one's gradients as soon as it arrives. P
+  and Q steps alternate: the figures are their mean.
+- **Power-SGD** (``hvd_acp.PowerSGDOptimizer``): the hooks compute the P
+  factors and submit the P buffers; ``step()`` waits for all of them,
+  orthonormalizes P, computes the Q factors, submits the Q buffers at once,
+  waits, reconstructs and updates.
+- **Power-SGD, DDP hook** (``powerSGD_hook`` behind the benchmark's
+  one-bucket-at-a-time wrapper): DDP's buckets, no Horovod cycle. When a
+  bucket is ready the backward thread waits for the previous bucket's chain,
+  computes the bucket's P factors and starts its uncompressed and P
+  all-reduces; the chain then orthonormalizes, computes Q, all-reduces it and
+  reconstructs. Backward's end waits for every chain.
+
+Collectives of one job run one at a time on the link (Horovod's single
+background thread; Gloo's queue for DDP).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .cost import Network, allreduce_s
+
+__all__ = ["Settings", "StepPrediction", "HorovodThread", "predict_methods", "METHODS",
+           "HOROVOD_FUSION_BYTES"]
+
+#: Methods predicted, in report order.
+METHODS = ("ssgd", "powersgd", "powersgd-ddp", "acp")
+#: Horovod's default HOROVOD_FUSION_THRESHOLD (64 MiB).
+HOROVOD_FUSION_BYTES = 64 * 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What a prediction is for.
+
+    Attributes:
+        np: number of ranks.
+        network: the links and cost model.
+        cycle_time_s: Horovod's cycle time (HOROVOD_CYCLE_TIME, default 1 ms).
+        horovod_fusion_bytes: HOROVOD_FUSION_THRESHOLD.
+        compute_scale: factor on every compute and compression time of the
+            profile (and on its host cost per byte) for Horovod's methods.
+        ddp_compute_scale: the same for the DDP hook (default compute_scale).
+        cycle_phases: the cycle's phase relative to the step is unknown, so
+            figures are averaged over this many evenly spaced phases.
+        host_serial: the host's work on collectives (``host_s_per_byte``)
+            has no core of its own and delays computation: it is added to
+            the step instead of lengthening each collective. True where
+            every core runs a rank's compute (this machine: 2 ranks on 2
+            cores); False where it runs beside it (a GPU node, where the
+            host barely takes part anyway).
+    """
+
+    np: int
+    network: Network
+    cycle_time_s: float = 0.001
+    horovod_fusion_bytes: int = HOROVOD_FUSION_BYTES
+    compute_scale: float = 1.0
+    ddp_compute_scale: Optional[float] = None
+    cycle_phases: int = 4
+    host_serial: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.np, int) or self.np < 1:
+            raise ValueError(f"np must be a positive int, got {self.np!r}")
+        if self.cycle_time_s < 0:
+            raise ValueError(f"cycle_time_s must be >= 0, got {self.cycle_time_s!r}")
+        if not self.compute_scale > 0:
+            raise ValueError(f"compute_scale must be > 0, got {self.compute_scale!r}")
+        if self.cycle_phases < 1:
+            raise ValueError(f"cycle_phases must be >= 1, got {self.cycle_phases!r}")
+
+
+@dataclasses.dataclass
+class StepPrediction:
+    """One method's predicted step (seconds, bytes per rank).
+
+    ``exposed_comm_s = step_s - compute_s - compression_s``: communication
+    (and waiting for Horovod's cycle) not hidden behind computation.
+    """
+
+    step_s: float
+    compute_s: float
+    compression_s: float
+    exposed_comm_s: float
+    bytes_per_step: float
+    allreduces_per_step: float
+    link_busy_s: float
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class HorovodThread:
+    """Horovod's background thread: cycles, fusion, one collective at a time.
+
+    Args:
+        cycle_s: cycle time; 0 runs every submission at once.
+        fusion_bytes: the largest fused all-reduce.
+        cost: seconds of an all-reduce of so many bytes.
+        origin: time of one of the cycle's ticks.
+    """
+
+    def __init__(self, cycle_s: float, fusion_bytes: int, cost, origin: float = 0.0):
+        self.cycle_s = cycle_s
+        self.fusion_bytes = fusion_bytes
+        self.cost = cost
+        self.tick = origin
+        self.busy_s = 0.0
+        self.collectives = 0
+
+    def _next_tick(self, at: float) -> float:
+        if self.cycle_s <= 0:
+            return max(self.tick, at)
+        if at <= self.tick:
+            return self.tick
+        return self.tick + math.ceil((at - self.tick) / self.cycle_s - 1e-12) * self.cycle_s
+
+    def submit(self, requests: Sequence[Tuple[float, float]]) -> List[float]:
+        """Finish times of ``(ready time, bytes)`` requests, in their order."""
+        order = sorted(range(len(requests)), key=lambda i: requests[i][0])
+        finish = [0.0] * len(requests)
+        k = 0
+        while k < len(order):
+            start = self._next_tick(requests[order[k]][0])
+            batch = []
+            while k < len(order) and requests[order[k]][0] <= start + 1e-12:
+                batch.append(order[k])
+                k += 1
+            t = start
+            group, group_bytes = [], 0.0
+            for i in batch + [None]:
+                nbytes = requests[i][1] if i is not None else 0.0
+                if group and (i is None or group_bytes + nbytes > self.fusion_bytes):
+                    duration = self.cost(group_bytes)
+                    t += duration
+                    self.busy_s += duration
+                    self.collectives += 1
+                    for j in group:
+                        finish[j] = t
+                    group, group_bytes = [], 0.0
+                if i is not None:
+                    group.append(i)
+                    group_bytes += nbytes
+            self.tick = max(start + self.cycle_s, t) if self.cycle_s > 0 else t
+        return finish
+
+
+class _Costs:
+    """Collective durations, and the host work set aside when it is serial."""
+
+    def __init__(self, settings: Settings, scale: float):
+        self.np = settings.np
+        self.full = settings.network.scaled_host(scale)
+        self.serial = settings.host_serial
+        self.wire = self.full.scaled_host(0.0) if self.serial else self.full
+        self.host_s = 0.0
+
+    def __call__(self, nbytes: float) -> float:
+        if self.serial:
+            self.host_s += (allreduce_s(nbytes, self.np, self.full)
+                            - allreduce_s(nbytes, self.np, self.wire))
+        return allreduce_s(nbytes, self.np, self.wire)
+
+
+def _backward_order(profile: dict) -> List[dict]:
+    return sorted(profile["params"], key=lambda p: p["ready_s"])
+
+
+def _hooked_backward(profile: dict, scale: float, start: float, first_cost: float,
+                     hook_cost) -> Tuple[Dict[str, float], float]:
+    """When each hook is done, and when backward ends, with hooks on its thread."""
+    done, delay, t_prev = {}, first_cost * scale, 0.0
+    for param in _backward_order(profile):
+        delay += hook_cost(param) * scale
+        done[param["name"]] = start + param["ready_s"] * scale + delay
+        t_prev = param["ready_s"]
+    end = start + max(profile["backward_s"], t_prev) * scale + delay
+    return done, end
+
+
+def _compute_s(profile: dict, scale: float) -> float:
+    return (profile["forward_s"] + profile["backward_s"] + profile["optimizer_s"]) * scale
+
+
+def _by_name(profile: dict) -> Dict[str, dict]:
+    return {p["name"]: p for p in profile["params"]}
+
+
+def _predict_ssgd(profile, settings, origin) -> StepPrediction:
+    s = settings.compute_scale
+    costs = _Costs(settings, s)
+    thread = HorovodThread(settings.cycle_time_s, settings.horovod_fusion_bytes, costs, origin)
+    start = profile["forward_s"] * s
+    params = _backward_order(profile)
+    finish = thread.submit([(start + p["ready_s"] * s, p["bytes"]) for p in params])
+    end = (max([start + profile["backward_s"] * s] + finish) + profile["optimizer_s"] * s
+           + costs.host_s)
+    compute = _compute_s(profile, s)
+    total = sum(p["bytes"] for p in params)
+    return StepPrediction(end, compute, 0.0, end - compute, total,
+                          thread.collectives, thread.busy_s)
+
+
+def _reconstruct_s(members: Sequence[str], params: Dict[str, dict]) -> float:
+    return sum(params[n].get("reconstruct_s", 0.0) for n in members)
+
+
+def _predict_acp_phase(profile, settings, origin, phase: str) -> StepPrediction:
+    s = settings.compute_scale
+    costs = _Costs(settings, s)
+    params = _by_name(profile)
+    key = "acp_p_s" if phase == "P" else "acp_q_s"
+    orth = profile["orthonormalize_s"]["acp_" + phase.lower()]
+    start = profile["forward_s"] * s
+    done, bwd_end = _hooked_backward(profile, s, start, orth,
+                                     lambda p: p.get(key, 0.0) if p["compressed"] else 0.0)
+    buckets = profile["buckets"]["acp_" + phase.lower()]
+    thread = HorovodThread(settings.cycle_time_s, settings.horovod_fusion_bytes, costs, origin)
+    finish = thread.submit([(max(done[n] for n in b["members"]), b["bytes"]) for b in buckets])
+    t, recon = bwd_end, 0.0
+    for bucket, arrived in zip(buckets, finish):
+        r = _reconstruct_s(bucket["members"], params) * s
+        t = max(t, arrived) + r
+        recon += r
+    t += profile["optimizer_s"] * s + costs.host_s
+    compute = _compute_s(profile, s)
+    compression = orth * s + sum(p.get(key, 0.0) for p in params.values()
+                                 if p["compressed"]) * s + recon
+    return StepPrediction(t, compute, compression, t - compute - compression,
+                          sum(b["bytes"] for b in buckets), thread.collectives, thread.busy_s)
+
+
+def _predict_powersgd(profile, settings, origin) -> StepPrediction:
+    s = settings.compute_scale
+    costs = _Costs(settings, s)
+    params = _by_name(profile)
+    start = profile["forward_s"] * s
+    done, bwd_end = _hooked_backward(profile, s, start, 0.0,
+                                     lambda p: p.get("psgd_p_s", 0.0) if p["compressed"] else 0.0)
+    thread = HorovodThread(settings.cycle_time_s, settings.horovod_fusion_bytes, costs, origin)
+    p_buckets, q_buckets = profile["buckets"]["psgd_p"], profile["buckets"]["psgd_q"]
+    finish = thread.submit([(max(done[n] for n in b["members"]), b["bytes"])
+                            for b in p_buckets])
+    compressed = [p for p in params.values() if p["compressed"]]
+    middle = (profile["orthonormalize_s"]["psgd"] + sum(p["psgd_q_s"] for p in compressed)) * s
+    t = max([bwd_end] + finish) + middle
+    finish = thread.submit([(t, b["bytes"]) for b in q_buckets])
+    recon = sum(p["reconstruct_s"] for p in compressed) * s
+    t = max([t] + finish) + recon + profile["optimizer_s"] * s + costs.host_s
+    compute = _compute_s(profile, s)
+    compression = (sum(p["psgd_p_s"] for p in compressed) * s + middle + recon)
+    nbytes = sum(b["bytes"] for b in p_buckets) + sum(b["bytes"] for b in q_buckets)
+    return StepPrediction(t, compute, compression, t - compute - compression, nbytes,
+                          thread.collectives, thread.busy_s)
+
+
+def _predict_powersgd_ddp(profile, settings) -> StepPrediction:
+    s = settings.ddp_compute_scale or settings.compute_scale
+    costs = _Costs(settings, s)
+    params = _by_name(profile)
+    n_compressed = sum(1 for p in params.values() if p["ddp_compressed"]) or 1
+    start = profile["forward_s"] * s
+    shift, chain_end, link_free = 0.0, -math.inf, -math.inf
+    compression, nbytes, collectives, busy = 0.0, 0.0, 0, 0.0
+
+    def run(at: float, size: float) -> float:
+        nonlocal link_free, nbytes, collectives, busy
+        if size <= 0:
+            return at
+        duration = costs(size)
+        link_free = max(at, link_free) + duration
+        nbytes += size
+        collectives += 1
+        busy += duration
+        return link_free
+
+    last_ready = -math.inf
+    for members in profile["ddp_buckets"]:
+        ps = [params[n] for n in members]
+        ready = max(last_ready, start + max(p["ready_s"] for p in ps) * s + shift)
+        last_ready = ready
+        hook = max(ready, chain_end)
+        comp = [p for p in ps if p["ddp_compressed"]]
+        p_cost = sum(p["psgd_p_s"] for p in comp) * s
+        shift += hook - ready + p_cost
+        t = hook + p_cost
+        t = run(t, sum(p["bytes"] for p in ps if not p["ddp_compressed"]))
+        t = run(t, sum(p["ddp_p_bytes"] for p in comp))
+        if comp:
+            middle = (profile["orthonormalize_s"]["psgd"] * len(comp) / n_compressed
+                      + sum(p["psgd_q_s"] for p in comp)) * s
+            t = run(t + middle, sum(p["ddp_q_bytes"] for p in comp))
+            recon = sum(p["reconstruct_s"] for p in comp) * s
+            t += recon
+            compression += p_cost + middle + recon
+        chain_end = t
+    bwd_end = start + profile["backward_s"] * s + shift
+    end = max(bwd_end, chain_end) + profile["optimizer_s"] * s + costs.host_s
+    compute = _compute_s(profile, s)
+    return StepPrediction(end, compute, compression, end - compute - compression, nbytes,
+                          collectives, busy)
+
+
+def _mean(preds: Sequence[StepPrediction]) -> StepPrediction:
+    fields = [f.name for f in dataclasses.fields(StepPrediction)]
+    return StepPrediction(**{f: sum(getattr(p, f) for p in preds) / len(preds) for f in fields})
+
+
+def predict_methods(profile: dict, settings: Settings,
+                    methods: Sequence[str] = METHODS) -> Dict[str, StepPrediction]:
+    """One predicted step per method (see the module docstring)."""
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"methods must be among {METHODS}, got {unknown}")
+    phases = ([settings.cycle_time_s * k / settings.cycle_phases
+               for k in range(settings.cycle_phases)] if settings.cycle_time_s > 0 else [0.0])
+    out = {}
+    for method in methods:
+        if method == "ssgd":
+            out[method] = _mean([_predict_ssgd(profile, settings, o) for o in phases])
+        elif method == "powersgd":
+            out[method] = _mean([_predict_powersgd(profile, settings, o) for o in phases])
+        elif method == "powersgd-ddp":
+            out[method] = _predict_powersgd_ddp(profile, settings)
+        else:
+            out[method] = _mean([_predict_acp_phase(profile, settings, o, ph)
+                                 for o in phases for ph in ("P", "Q")])
+    return out

@@ -1,0 +1,346 @@
+"""The planner: cost model and timeline on cases computable by hand, the
+profiler on a tiny model, a measured configuration predicted, the CLI."""
+import json
+import math
+import statistics
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from hvd_acp.plan import Network, Settings, allreduce_s, predict_methods, ring_allreduce_s
+from hvd_acp.plan.__main__ import main
+from hvd_acp.plan.timeline import HorovodThread
+from hvd_acp.plan.validate import validate
+
+MB = 1e6
+
+
+def net(bytes_per_s=1e6, **kw):
+    """A network whose payload rate is ``bytes_per_s`` (wire efficiency 1)."""
+    return Network(bandwidth_mbit=bytes_per_s * 8 / 1e6, wire_efficiency=1.0, **kw)
+
+
+def synthetic(params, forward=1.0, backward=2.0, optimizer=0.5, buckets=None, ddp=None,
+              orth=0.0):
+    """A profile of hand-made parameters (dicts with name, bytes, ready_s...)."""
+    full = []
+    for p in params:
+        q = {"compressed": False, "ddp_compressed": False, "acp_p_s": 0.0, "acp_q_s": 0.0,
+             "psgd_p_s": 0.0, "psgd_q_s": 0.0, "reconstruct_s": 0.0, "ddp_p_bytes": 0,
+             "ddp_q_bytes": 0}
+        q.update(p)
+        full.append(q)
+    one = [{"bytes": p["bytes"], "members": [p["name"]]} for p in full]
+    buckets = buckets or {"acp_p": one, "acp_q": one, "psgd_p": one, "psgd_q": []}
+    return {"format": 1, "matrix_rank": 4, "forward_s": forward, "backward_s": backward,
+            "optimizer_s": optimizer, "params": full, "buckets": buckets,
+            "ddp_buckets": ddp or [[p["name"]] for p in sorted(full, key=lambda p: -p["ready_s"])],
+            "orthonormalize_s": {"acp_p": orth, "acp_q": orth, "psgd": orth},
+            "host_s_per_byte": 0.0}
+
+
+# ------------------------------------------------------------------ cost model
+def test_ring_allreduce_by_hand():
+    # 2 ranks: 2 alpha + n / B.
+    assert ring_allreduce_s(1e6, 2, 1e6, 1e-3) == pytest.approx(1.002)
+    # 4 ranks: 6 alpha + 1.5 n / B, plus the host's cost on the 1.5 n bytes moved.
+    assert ring_allreduce_s(1e6, 4, 1e6, 1e-3, host_s_per_byte=1e-7) == pytest.approx(
+        6e-3 + 1.5 + 1.5e6 * 1e-7)
+    assert ring_allreduce_s(1e6, 1, 1e6, 1e-3) == 0.0
+    assert ring_allreduce_s(0, 8, 1e6, 1e-3) == 0.0
+
+
+def test_latency_bound_tiny_messages():
+    # 8 bytes over 64 ranks at 10 Gbit/s with 20 us per step: 126 steps of latency.
+    t = allreduce_s(8, 64, Network(10000, latency_s=20e-6))
+    assert t == pytest.approx(126 * 20e-6, rel=1e-3)
+    # The same bytes as one fused message or 100 tiny ones: latency dominates.
+    thread = HorovodThread(0.0, 0, lambda b: allreduce_s(b, 64, Network(10000, latency_s=20e-6)))
+    finish = thread.submit([(0.0, 8)] * 100)
+    assert thread.collectives == 100
+    assert max(finish) == pytest.approx(100 * 126 * 20e-6, rel=1e-3)
+
+
+def test_hierarchical_allreduce_by_hand():
+    n = Network(bandwidth_mbit=80, wire_efficiency=1.0, gpus_per_node=4,
+                intra_bandwidth_mbit=800)
+    # intra: ring over 4 at 100 MB/s (1.5 n), inter: ring over 2 nodes at 10 MB/s (n).
+    assert allreduce_s(1e6, 8, n) == pytest.approx(1.5e6 / 1e8 + 1e6 / 1e7)
+    assert allreduce_s(1e6, 4, n) == pytest.approx(1.5e6 / 1e8)
+    with pytest.raises(ValueError, match="multiple of gpus_per_node"):
+        allreduce_s(1e6, 6, n)
+    with pytest.raises(ValueError, match="intra_bandwidth_mbit"):
+        Network(bandwidth_mbit=80, gpus_per_node=4)
+
+
+def test_horovod_cycle_and_fusion():
+    thread = HorovodThread(0.01, 64, lambda b: b * 1e-3)
+    # Ready at 3 ms: waits for the tick at 10 ms; two tensors of one tick fuse.
+    assert thread.submit([(0.003, 10), (0.004, 20)]) == pytest.approx([0.04, 0.04])
+    assert thread.collectives == 1
+    # Over the fusion threshold: two collectives, one after the other.
+    thread = HorovodThread(0.01, 64, lambda b: b * 1e-3)
+    assert thread.submit([(0.0, 40), (0.0, 40)]) == pytest.approx([0.04, 0.08])
+
+
+# ------------------------------------------------------------------ timeline
+def test_one_bucket_acp_by_hand():
+    prof = synthetic([{"name": "w", "bytes": 1e6, "ready_s": 2.0, "compressed": True,
+                       "acp_p_s": 0.1, "acp_q_s": 0.1, "reconstruct_s": 0.05}])
+    pred = predict_methods(prof, Settings(np=2, network=net(), cycle_time_s=0.0), ["acp"])["acp"]
+    # forward 1 + backward 2 + hook 0.1, 1 s on the wire, reconstruct 0.05, update 0.5.
+    assert pred.step_s == pytest.approx(4.65)
+    assert pred.compute_s == pytest.approx(3.5)
+    assert pred.compression_s == pytest.approx(0.15)
+    assert pred.exposed_comm_s == pytest.approx(1.0)
+    assert pred.bytes_per_step == 1e6
+
+
+def test_two_buckets_overlap_backward():
+    params = [{"name": "first", "bytes": 1e6, "ready_s": 2.0},   # input layer: last in backward
+              {"name": "last", "bytes": 1e6, "ready_s": 0.5}]
+    prof = synthetic(params)
+    s = Settings(np=2, network=net(), cycle_time_s=0.0, horovod_fusion_bytes=1)
+    # "last" goes at 1.5 and is done at 2.5, under backward; "first" at 3.0, done at 4.0.
+    assert predict_methods(prof, s, ["ssgd"])["ssgd"].step_s == pytest.approx(4.5)
+    # At half the rate the first all-reduce (1.5 -> 3.5) delays the second (3.5 -> 5.5).
+    s = Settings(np=2, network=net(5e5), cycle_time_s=0.0, horovod_fusion_bytes=1)
+    pred = predict_methods(prof, s, ["ssgd"])["ssgd"]
+    assert pred.step_s == pytest.approx(6.0)
+    assert pred.allreduces_per_step == 2
+    assert pred.link_busy_s == pytest.approx(4.0)
+
+
+def test_host_work_serial_or_beside():
+    prof = synthetic([{"name": "w", "bytes": 1e6, "ready_s": 0.0}])
+    host = net(host_s_per_byte=1e-6)
+    # Beside computation: the 1 s of host work lengthens the all-reduce (1 + 1 s),
+    # hidden under backward (2 s) but for what runs past it.
+    beside = predict_methods(prof, Settings(np=2, network=host, cycle_time_s=0.0), ["ssgd"])
+    assert beside["ssgd"].step_s == pytest.approx(3.5)
+    # Serial: the wire's 1 s hides under backward, the host's 1 s adds to the step.
+    serial = predict_methods(prof, Settings(np=2, network=host, cycle_time_s=0.0,
+                                            host_serial=True), ["ssgd"])
+    assert serial["ssgd"].step_s == pytest.approx(4.5)
+
+
+def test_powersgd_dependent_round():
+    params = [{"name": "w", "bytes": 4e6, "ready_s": 2.0, "compressed": True,
+               "psgd_p_s": 0.1, "psgd_q_s": 0.2, "reconstruct_s": 0.05}]
+    buckets = {"acp_p": [], "acp_q": [], "psgd_p": [{"bytes": 1e6, "members": ["w"]}],
+               "psgd_q": [{"bytes": 2e6, "members": ["w"]}]}
+    prof = synthetic(params, buckets=buckets, orth=0.15)
+    pred = predict_methods(prof, Settings(np=2, network=net(), cycle_time_s=0.0),
+                           ["powersgd"])["powersgd"]
+    # 1 + 2 + 0.1 (P), 1 s on the wire, 0.15 + 0.2 (orth, Q), 2 s on the wire, 0.05, 0.5.
+    assert pred.step_s == pytest.approx(3.1 + 1 + 0.35 + 2 + 0.05 + 0.5)
+    assert pred.bytes_per_step == 3e6
+    assert pred.compression_s == pytest.approx(0.5)
+
+
+def test_powersgd_ddp_chain_blocks_backward():
+    params = [{"name": "a", "bytes": 4e6, "ready_s": 0.5, "ddp_compressed": True,
+               "psgd_p_s": 0.1, "psgd_q_s": 0.1, "ddp_p_bytes": 1e6, "ddp_q_bytes": 1e6},
+              {"name": "b", "bytes": 1e6, "ready_s": 1.0}]
+    prof = synthetic(params, backward=1.0, optimizer=0.0, ddp=[["a"], ["b"]])
+    pred = predict_methods(prof, Settings(np=2, network=net()),
+                           ["powersgd-ddp"])["powersgd-ddp"]
+    # a: ready 1.5, P 0.1 -> 1.6, P on the wire -> 2.6, Q 0.1 -> 2.7, Q wire -> 3.7.
+    # b: ready at 1.6 + 0.5 = 2.1 (backward shifted by a's P), its hook waits for a's
+    # chain (3.7), then its 1 MB -> 4.7.
+    assert pred.step_s == pytest.approx(4.7)
+    assert pred.bytes_per_step == 3e6
+
+
+def test_settings_reject_bad_values():
+    with pytest.raises(ValueError, match="np must be a positive int"):
+        Settings(np=0, network=net())
+    with pytest.raises(ValueError, match="bandwidth_mbit"):
+        Network(bandwidth_mbit=0)
+    with pytest.raises(ValueError, match="methods must be among"):
+        predict_methods(synthetic([{"name": "w", "bytes": 1, "ready_s": 0}]),
+                        Settings(np=2, network=net()), ["sgd"])
+
+
+# ------------------------------------------------------------------ profile
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(64, 128)
+        self.last = nn.Linear(128, 10)
+
+    def forward(self, x):
+        return self.last(torch.relu(self.first(x)))
+
+
+def _tiny_loss(model, batch):
+    return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+
+def test_profile_model_fields_and_plans():
+    from hvd_acp.fusion import make_layouts, plan_buckets
+    from hvd_acp.compression import Phase
+    from hvd_acp.plan import profile_model
+    torch.manual_seed(0)
+    model = Tiny()
+    batch = (torch.randn(16, 64), torch.randint(0, 10, (16,)))
+    prof = profile_model(model, batch, _tiny_loss, matrix_rank=2, steps=2, repeats=2)
+    by = {p["name"]: p for p in prof["params"]}
+    assert set(by) == {"first.weight", "first.bias", "last.weight", "last.bias"}
+    # Backward reaches the last layer before the first.
+    assert by["last.weight"]["ready_s"] < by["first.weight"]["ready_s"] <= prof["backward_s"]
+    assert by["first.weight"]["compressed"] and not by["first.bias"]["compressed"]
+    assert by["first.weight"]["acp_p_s"] > 0 and by["first.weight"]["reconstruct_s"] > 0
+    layouts = make_layouts([(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()],
+                           2, 2.0)
+    expected = plan_buckets(layouts, Phase.Q, prof["fusion_threshold_bytes"])
+    assert [b["bytes"] for b in prof["buckets"]["acp_q"]] == [b.nbytes for b in expected]
+    assert prof["host_s_per_byte"] > 0
+    json.dumps(prof)     # a file, as written by the CLI
+
+
+def test_prediction_of_a_measured_configuration():
+    """ACP-SGD on a world of one (no communication): the predicted step is the
+    profile's compute plus compression; it must match a measured step."""
+    import hvd_acp
+    from hvd_acp.plan import profile_model
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                          nn.Linear(512, 10))
+    batch = (torch.randn(256, 256), torch.randint(0, 10, (256,)))
+    prof = profile_model(model, batch, _tiny_loss, matrix_rank=4, steps=5, repeats=3)
+    pred = predict_methods(prof, Settings(np=1, network=net(), cycle_time_s=0.0), ["acp"])["acp"]
+    opt = hvd_acp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3,
+                                                       momentum=0.9),
+                                       model.named_parameters(), matrix_rank=4,
+                                       communicator=hvd_acp.LocalCommunicator())
+    steps = []
+    for i in range(12):
+        opt.zero_grad()
+        started = time.perf_counter()
+        _tiny_loss(model, batch).backward()
+        opt.step()
+        if i >= 2:
+            steps.append(time.perf_counter() - started)
+    measured = statistics.median(steps)
+    opt.close()
+    assert pred.exposed_comm_s == pytest.approx(0.0, abs=1e-9)
+    assert abs(pred.step_s - measured) / measured < 0.35, (pred.step_s, measured)
+
+
+# ------------------------------------------------------------------ CLI
+@pytest.fixture()
+def profile_file(tmp_path):
+    prof = synthetic([{"name": "w", "bytes": 4e6, "ready_s": 2.0, "compressed": True,
+                       "ddp_compressed": True, "acp_p_s": 0.01, "acp_q_s": 0.01,
+                       "psgd_p_s": 0.01, "psgd_q_s": 0.01, "reconstruct_s": 0.01,
+                       "ddp_p_bytes": 4e4, "ddp_q_bytes": 4e4},
+                      {"name": "b", "bytes": 4e3, "ready_s": 0.1}],
+                     buckets={"acp_p": [{"bytes": 4e4 + 4e3, "members": ["w", "b"]}],
+                              "acp_q": [{"bytes": 4e4 + 4e3, "members": ["w", "b"]}],
+                              "psgd_p": [{"bytes": 4e4 + 4e3, "members": ["w", "b"]}],
+                              "psgd_q": [{"bytes": 4e4, "members": ["w"]}]})
+    prof.update(model="small", batch_size=8, description="synthetic")
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(prof))
+    return path
+
+
+def test_cli_predict_outputs(profile_file, tmp_path, capsys):
+    out = tmp_path / "plan"
+    rc = main(["predict", "--profile", str(profile_file), "--np", "2,8",
+               "--bandwidth", "100mbit,10gbit", "--latency-us", "20", "--out", str(out)])
+    assert rc == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert len(plan["predictions"]) == 4
+    entry = plan["predictions"][0]
+    assert set(entry["methods"]) == {"ssgd", "powersgd", "powersgd-ddp", "acp"}
+    for fields in entry["methods"].values():
+        for key in ("step_s", "compute_s", "compression_s", "exposed_comm_s",
+                    "bytes_per_step", "speedup_vs_ssgd"):
+            assert math.isfinite(fields[key])
+    # S-SGD's 4 MB after backward take 0.33 s at 100 Mbit/s, ACP-SGD's 44 kB 4 ms.
+    slow = [e for e in plan["predictions"] if e["bandwidth_mbit"] == 100.0 and e["np"] == 8][0]
+    assert slow["recommendation"]["method"] != "ssgd"
+    assert slow["recommendation"]["matrix_rank"] == 4
+    assert slow["methods"]["ssgd"]["exposed_comm_s"] > 0.3
+    assert slow["methods"]["acp"]["speedup_vs_ssgd"] > 1.05
+    assert "|" in (out / "plan.md").read_text()
+    assert (out / "plan.png").stat().st_size > 1000
+    assert "plan.json" in capsys.readouterr().out
+    # The bare form (no subcommand) is predict.
+    assert main(["--profile", str(profile_file), "--np", "2", "--bandwidth", "1gbit",
+                 "--no-plot", "--out", str(tmp_path / "bare")]) == 0
+    assert (tmp_path / "bare" / "plan.json").exists()
+
+
+def test_cli_errors(profile_file, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["predict", "--profile", str(profile_file), "--bandwidth", "fast",
+              "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "bandwidth must look like" in capsys.readouterr().err
+    rc = main(["predict", "--profile", str(tmp_path / "nope.json"), "--out", str(tmp_path)])
+    assert rc == 2
+    assert "nope.json' not found" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": 1}))
+    assert main(["predict", "--profile", str(bad), "--out", str(tmp_path)]) == 2
+    assert "not a hvd-acp-plan profile" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["predict", "--profile", str(profile_file), "--np", "2,0", "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:
+        main(["predict", "--profile", str(profile_file), "--gpus-per-node", "4",
+              "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "--intra-bandwidth" in capsys.readouterr().err
+    assert main(["validate", "--bench", str(tmp_path / "missing.json")]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+def _bench(step_s, compute_only=3.5, diagnostics=None):
+    return {"config": {"model": "small", "np": 2, "batch_size": 8, "matrix_rank": 4,
+                       "bandwidth_mbit": 8.0 / 1.0, "horovod_cycle_time_ms": None,
+                       "command": "synthetic"},
+            "methods": {m: {"step_s_median": s, "compression_s_per_step": 0.0}
+                        for m, s in step_s.items()},
+            "compute_only": {"step_s_median": compute_only},
+            "diagnostics": diagnostics or {}}
+
+
+def test_validate_synthetic_run(tmp_path, capsys):
+    prof = synthetic([{"name": "w", "bytes": 1e6, "ready_s": 2.0, "compressed": True,
+                       "acp_p_s": 0.1, "acp_q_s": 0.1, "reconstruct_s": 0.05}])
+    prof.update(model="small", batch_size=8)
+    # 8 Mbit/s = 1 MB/s nominal; the default wire efficiency (1448/1514) applies.
+    bench = _bench({"acp": 3.15 + 1e6 / (1e6 * 1448 / 1514) + 0.5, "ssgd": 10.0})
+    result = validate(bench, prof)
+    assert result["calibration"]["compute_scale"] == pytest.approx(1.0)
+    # Horovod's default 1 ms cycle delays the launch by 0.5 ms on average.
+    assert result["methods"]["acp"]["error"] == pytest.approx(0.0, abs=2e-3)
+    assert result["worst_method"] == "ssgd" and result["worst_abs_error"] > 0.4
+    # Calibration: a floor twice the profile's compute doubles compute and compression.
+    doubled = validate(_bench({"acp": 1.0}, compute_only=7.0), prof)
+    assert doubled["calibration"]["compute_scale"] == pytest.approx(2.0)
+    assert doubled["methods"]["acp"]["predicted"]["compute_s"] == pytest.approx(7.0)
+    # With the diagnostic jobs: Horovod's idle floor for Horovod, the concurrent one for DDP.
+    diag = _bench({"acp": 1.0}, compute_only=3.5,
+                  diagnostics={"hvd-idle": {"step_s_median": 4.2},
+                               "compute-concurrent": {"step_s_median": 3.85}})
+    cal = validate(diag, prof)["calibration"]
+    assert cal["compute_scale"] == pytest.approx(1.2)
+    assert cal["ddp_compute_scale"] == pytest.approx(1.1)
+    # The CLI: a table on stdout, exit 1 over --max-error.
+    pf, bf = tmp_path / "p.json", tmp_path / "results.json"
+    pf.write_text(json.dumps(prof))
+    bf.write_text(json.dumps(bench))
+    assert main(["validate", "--bench", str(bf), "--profile", str(pf),
+                 "--max-error", "0.15", "--out", str(tmp_path / "v")]) == 1
+    out = capsys.readouterr()
+    assert "| ACP-SGD |" in out.out and "exceeds --max-error" in out.err
+    assert json.loads((tmp_path / "v" / "validate.json").read_text())[0]["worst_method"] == "ssgd"
+    with pytest.raises(ValueError, match="batch_size"):
+        validate(dict(bench, config=dict(bench["config"], batch_size=16)), prof)
