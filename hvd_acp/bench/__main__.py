@@ -14,7 +14,7 @@ from typing import List, Optional
 
 from .models import MODELS, default_matrix_rank
 from .netem import NetworkSetupError, check_can_emulate
-from .stats import METHODS, parse_bandwidth, parse_methods
+from .stats import METHODS, number_type, parse_bandwidth, parse_methods
 
 DEFAULT_BATCH_SIZE = {"resnet50": 8, "bert-base": 4, "small": 32}
 #: The smallest number of rounds for which a distribution-free interval of
@@ -22,18 +22,8 @@ DEFAULT_BATCH_SIZE = {"resnet50": 8, "bert-base": 4, "small": 32}
 DEFAULT_ROUNDS = 6
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}")
-    return value
+_positive = number_type(int, lambda v: v >= 1, "a positive int")
+_non_negative = number_type(int, lambda v: v >= 0, "an int >= 0")
 
 
 def build_parser() -> argparse.ArgumentParser:

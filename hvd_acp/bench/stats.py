@@ -11,10 +11,11 @@ verdict from whether that interval excludes 1.0 (:func:`verdict`).
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import re
-from typing import Dict, List, Optional, Sequence, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar
 
 __all__ = ["METHODS", "parse_bandwidth", "parse_methods", "percentile",
            "summarize_steps", "combine_ranks", "tbf_burst_bytes", "round_order",
@@ -49,6 +50,20 @@ def parse_bandwidth(text: Optional[str]) -> Optional[float]:
     if not value > 0 or math.isinf(value):
         raise ValueError(f"bandwidth must be a positive rate, got {text!r}")
     return value
+
+
+def number_type(convert: Callable[[str], Any], ok: Callable[[Any], bool], what: str):
+    """An argparse ``type=``: ``convert(text)``, refused unless ``ok(value)``,
+    with "must be <what>" as the message."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return value
+    return parse
 
 
 def parse_methods(text: str) -> List[str]:

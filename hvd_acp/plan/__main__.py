@@ -17,40 +17,16 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+from ..bench.stats import number_type
 from .cost import parse_bandwidth_list, parse_int_list
 
 MODELS = ("resnet50", "bert-base", "small")
 SUBCOMMANDS = ("profile", "predict", "validate")
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
-    return value
+_positive = number_type(int, lambda v: v >= 1, "a positive int")
+_positive_float = number_type(float, lambda v: v > 0, "a positive number")
+_non_negative_float = number_type(float, lambda v: v >= 0, "a number >= 0")
 
 
 def _add_model_args(p: argparse.ArgumentParser, required: bool) -> None:
