@@ -267,6 +267,10 @@ def test_cli_predict_outputs(profile_file, tmp_path, capsys):
     assert slow["recommendation"]["matrix_rank"] == 4
     assert slow["methods"]["ssgd"]["exposed_comm_s"] > 0.3
     assert slow["methods"]["acp"]["speedup_vs_ssgd"] > 1.05
+    # Where no compressor is predicted 5% faster, S-SGD is recommended.
+    for entry in plan["predictions"]:
+        gain = max(m["speedup_vs_ssgd"] for m in entry["methods"].values())
+        assert (entry["recommendation"]["method"] == "ssgd") == (gain < 1.05), entry
     assert "|" in (out / "plan.md").read_text()
     assert (out / "plan.png").stat().st_size > 1000
     assert "plan.json" in capsys.readouterr().out
@@ -344,3 +348,19 @@ def test_validate_synthetic_run(tmp_path, capsys):
     assert json.loads((tmp_path / "v" / "validate.json").read_text())[0]["worst_method"] == "ssgd"
     with pytest.raises(ValueError, match="batch_size"):
         validate(dict(bench, config=dict(bench["config"], batch_size=16)), prof)
+
+
+def test_recommendation_needs_a_gain_beyond_the_planners_error():
+    from hvd_acp.plan.report import recommend
+
+    def methods(acp_step):
+        base = {"compression_s": 0.01, "exposed_comm_s": 0.0, "bytes_per_step": 1e6}
+        return {"ssgd": dict(base, step_s=1.0, compression_s=0.0, bytes_per_step=1e8),
+                "powersgd": dict(base, step_s=1.2), "powersgd-ddp": dict(base, step_s=1.2),
+                "acp": dict(base, step_s=acp_step)}
+
+    near = recommend(methods(0.97), 4, 8, 10000.0)
+    assert near["method"] == "ssgd" and near["matrix_rank"] is None
+    assert "1.03x" in near["reason"]
+    clear = recommend(methods(0.90), 4, 8, 10000.0)
+    assert clear["method"] == "acp" and clear["matrix_rank"] == 4

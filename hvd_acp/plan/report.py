@@ -21,11 +21,24 @@ def _fmt_bw(mbit: float) -> str:
     return f"{mbit:g} Mbit/s"
 
 
+#: A compressor is recommended only if it is predicted at least this much
+#: faster than S-SGD: smaller gains are inside the planner's error
+#: (docs/planner.md, validation) and do not pay for a lossy gradient.
+MIN_GAIN = 0.05
+
+
 def recommend(methods: Dict[str, dict], matrix_rank: int, np: int, bandwidth_mbit: float) -> dict:
-    """The fastest method, with its matrix rank and one sentence saying why."""
+    """The fastest method, with its matrix rank and one sentence saying why;
+    S-SGD unless a compressor is predicted more than :data:`MIN_GAIN` faster."""
     best = min(methods, key=lambda m: methods[m]["step_s"])
     b, s = methods[best], methods["ssgd"]
     where = f"at {np} ranks and {_fmt_bw(bandwidth_mbit)}"
+    if best != "ssgd" and s["step_s"] < (1.0 + MIN_GAIN) * b["step_s"]:
+        reason = (f"S-SGD is recommended {where}: the fastest compressor, {LABELS[best]}, "
+                  f"is predicted only {s['step_s'] / b['step_s']:.2f}x faster "
+                  f"({b['step_s']:.3f} s against {s['step_s']:.3f} s per step), inside the "
+                  f"planner's error; exact gradients cost nothing here.")
+        return {"method": "ssgd", "matrix_rank": None, "reason": reason}
     if best == "ssgd":
         runner = min((m for m in methods if m != "ssgd"), key=lambda m: methods[m]["step_s"])
         r = methods[runner]
