@@ -201,33 +201,59 @@ def test_profile_model_fields_and_plans():
     json.dumps(prof)     # a file, as written by the CLI
 
 
-def test_prediction_of_a_measured_configuration():
-    """ACP-SGD on a world of one (no communication): the predicted step is the
-    profile's compute plus compression; it must match a measured step."""
+def _measured_acp_step(model, batch, steps=12, skip=2):
+    """Median seconds of a training step of hvd_acp's ACP-SGD on a world of one."""
     import hvd_acp
-    from hvd_acp.plan import profile_model
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
-                          nn.Linear(512, 10))
-    batch = (torch.randn(256, 256), torch.randint(0, 10, (256,)))
-    prof = profile_model(model, batch, _tiny_loss, matrix_rank=4, steps=5, repeats=3)
-    pred = predict_methods(prof, Settings(np=1, network=net(), cycle_time_s=0.0), ["acp"])["acp"]
     opt = hvd_acp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3,
                                                        momentum=0.9),
                                        model.named_parameters(), matrix_rank=4,
                                        communicator=hvd_acp.LocalCommunicator())
-    steps = []
-    for i in range(12):
-        opt.zero_grad()
-        started = time.perf_counter()
-        _tiny_loss(model, batch).backward()
-        opt.step()
-        if i >= 2:
-            steps.append(time.perf_counter() - started)
-    measured = statistics.median(steps)
-    opt.close()
-    assert pred.exposed_comm_s == pytest.approx(0.0, abs=1e-9)
-    assert abs(pred.step_s - measured) / measured < 0.35, (pred.step_s, measured)
+    times = []
+    try:
+        for i in range(steps):
+            opt.zero_grad()
+            started = time.perf_counter()
+            _tiny_loss(model, batch).backward()
+            opt.step()
+            if i >= skip:
+                times.append(time.perf_counter() - started)
+    finally:
+        opt.close()
+    return statistics.median(times)
+
+
+def test_prediction_of_a_measured_configuration():
+    """ACP-SGD on a world of one (no communication): the predicted step is the
+    profile's compute plus compression (step-ahead included); it must match a
+    measured step of the optimizer with its default settings.
+
+    Wall-clock times on a shared 2-core machine drift from one moment to the
+    next: the profile and the measurement are taken back to back on one
+    thread, and the comparison gets three tries. A prediction that leaves out
+    a part of the step (the compression, the step-ahead passes, the update)
+    misses on every try."""
+    from hvd_acp.plan import profile_model
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    errors = []
+    try:
+        for attempt in range(3):
+            torch.manual_seed(attempt)
+            model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                                  nn.Linear(512, 10))
+            batch = (torch.randn(256, 256), torch.randint(0, 10, (256,)))
+            prof = profile_model(model, batch, _tiny_loss, matrix_rank=4, steps=5, repeats=3)
+            assert all(p["step_ahead_s"] > 0 for p in prof["params"] if p["compressed"])
+            pred = predict_methods(prof, Settings(np=1, network=net(), cycle_time_s=0.0),
+                                   ["acp"])["acp"]
+            assert pred.exposed_comm_s == pytest.approx(0.0, abs=1e-9)
+            measured = _measured_acp_step(model, batch)
+            errors.append((pred.step_s - measured) / measured)
+            if abs(errors[-1]) < 0.35:
+                break
+    finally:
+        torch.set_num_threads(threads)
+    assert abs(errors[-1]) < 0.35, f"relative errors of the predicted step per try: {errors}"
 
 
 # ------------------------------------------------------------------ CLI

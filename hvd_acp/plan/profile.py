@@ -10,7 +10,9 @@ Measured in one process, no communication:
   on tensors of its shape and dtype: ACP-SGD's P and Q step (``acp_p_s``,
   ``acp_q_s``: error feedback, projection, local residual), Power-SGD's two
   halves (``psgd_p_s``, ``psgd_q_s``) and the reconstruction
-  (``reconstruct_s``); the batched orthonormalizations of each step;
+  (``reconstruct_s``), and ACP-SGD's step-ahead shift and restore of the
+  parameter (``step_ahead_s``, :mod:`hvd_acp.stepahead`); the batched
+  orthonormalizations of each step;
 - the fused buffers each method sends, from :func:`hvd_acp.fusion.plan_buckets`
   (the optimizer's own plan) and DDP's buckets for the DDP hook;
 - ``host_s_per_byte``: a fused all-reduce's own work per byte on this device
@@ -146,10 +148,20 @@ def _time_compression(lay, device: torch.device, repeats: int, gen: torch.Genera
     def recon():
         reconstruct_(target, ph, out_q)
 
+    weight, anchor = rand(n, m), torch.empty(n, m, dtype=dtype, device=device)
+
+    def step_ahead():
+        # StepAhead.apply (keep the true weights, shift by the residual) and
+        # StepAhead.restore, as the optimizer runs them around each forward.
+        anchor.copy_(weight)
+        weight.sub_(error, alpha=1e-3)
+        weight.copy_(anchor)
+
     return {"acp_p_s": _timed(acp_p, device, repeats), "acp_q_s": _timed(acp_q, device, repeats),
             "psgd_p_s": _timed(psgd_p, device, repeats),
             "psgd_q_s": _timed(psgd_q, device, repeats),
-            "reconstruct_s": _timed(recon, device, repeats)}
+            "reconstruct_s": _timed(recon, device, repeats),
+            "step_ahead_s": _timed(step_ahead, device, repeats)}
 
 
 def _bucket_dicts(buckets) -> List[dict]:

@@ -18,7 +18,10 @@ be identical, so a collective starts when this rank has submitted it.
   buffer of :func:`hvd_acp.fusion.plan_buckets` is submitted to Horovod's
   thread when its last member is compressed. ``step()`` takes the buffers
   in order and reconstructs each one's gradients as soon as it arrives. P
-  and Q steps alternate: the figures are their mean.
+  and Q steps alternate: the figures are their mean. The default step-ahead
+  error feedback shifts the compressed parameters before the forward pass
+  and restores them in ``step()`` (``step_ahead_s``; 0 in profiles made
+  before it was measured).
 - **Power-SGD** (``hvd_acp.PowerSGDOptimizer``): the hooks compute the P
   factors and submit the P buffers; ``step()`` waits for all of them,
   orthonormalizes P, computes the Q factors, submits the Q buffers at once,
@@ -233,7 +236,10 @@ def _predict_acp_phase(profile, settings, origin, phase: str) -> StepPrediction:
     params = _by_name(profile)
     key = "acp_p_s" if phase == "P" else "acp_q_s"
     orth = profile["orthonormalize_s"]["acp_" + phase.lower()]
-    start = profile["forward_s"] * s
+    # Step-ahead error feedback (the default): the shift before the forward
+    # pass and the restore at the start of step(), on the training thread.
+    shift = sum(p.get("step_ahead_s", 0.0) for p in params.values() if p["compressed"]) * s
+    start = profile["forward_s"] * s + shift
     done, bwd_end = _hooked_backward(profile, s, start, orth,
                                      lambda p: p.get(key, 0.0) if p["compressed"] else 0.0)
     buckets = profile["buckets"]["acp_" + phase.lower()]
@@ -246,8 +252,8 @@ def _predict_acp_phase(profile, settings, origin, phase: str) -> StepPrediction:
         recon += r
     t += profile["optimizer_s"] * s + costs.host_s
     compute = _compute_s(profile, s)
-    compression = orth * s + sum(p.get(key, 0.0) for p in params.values()
-                                 if p["compressed"]) * s + recon
+    compression = shift + orth * s + sum(p.get(key, 0.0) for p in params.values()
+                                         if p["compressed"]) * s + recon
     return StepPrediction(t, compute, compression, t - compute - compression,
                           sum(b["bytes"] for b in buckets), thread.collectives, thread.busy_s)
 
