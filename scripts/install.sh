@@ -61,5 +61,5 @@ else
 fi
 
 log "installing hvd_acp (editable) with its extras"
-"${PIP[@]}" install -q -e ".[examples,bench,test]"
+"${PIP[@]}" install -q -e ".[horovod,examples,bench,test]"
 log "done: $("$PY" -c 'import torch, horovod; print("torch", torch.__version__, "horovod", horovod.__version__)')"
