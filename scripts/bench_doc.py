@@ -178,7 +178,7 @@ def _duration(results: Dict[str, Any]) -> Optional[str]:
 def _rerun(results_dir: Path, run: str) -> Optional[str]:
     path = results_dir / f"{run}{RERUN_SUFFIX}" / "results.json"
     if not path.exists():
-        return None
+        return f"no second invocation in bench-results/{run}{RERUN_SUFFIX}/: {NOT_ASSESSED}"
     try:
         old, new = check.load(results_dir / run), check.load(path)
     except check.CheckError as exc:
