@@ -275,9 +275,10 @@ def run_section(results_dir: Path, run: str, title: str, img: Path, doc: Path) -
 def brief_table(results_dir: Path) -> List[str]:
     """README's results in brief: steps with intervals, ACP-SGD's verdicts."""
     lines = ["| model, link | rounds | S-SGD step | Power-SGD step (hvd_acp / DDP hook) "
-             "| ACP-SGD step | ACP-SGD against S-SGD / Power-SGD (hvd_acp) / DDP hook "
-             "| bytes/step/rank S-SGD -> ACP |",
-             "| --- | ---: | ---: | ---: | ---: | --- | ---: |"]
+             "| ACP-SGD step (hvd_acp / DDP hook) "
+             "| ACP-SGD against S-SGD / Power-SGD (hvd_acp) / DDP hook "
+             "| DDP: acp_hook against powerSGD_hook | bytes/step/rank S-SGD -> ACP |",
+             "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: |"]
     for run, title in BRIEF_RUNS:
         results = load(results_dir, run)
         if results is None:
@@ -291,20 +292,25 @@ def brief_table(results_dir: Path) -> List[str]:
             return report.fmt_range(e["step_s_median"], e.get("step_s_low"),
                                      e.get("step_s_high"), 2) + " s"
 
-        against = []
-        for other in ("ssgd", "powersgd", "powersgd-ddp"):
-            ratio = report.find_ratio(results, other, "acp", "step")
+        def speedup(other, of):
+            """``other``'s step over ``of``'s, with ``of``'s verdict."""
+            ratio = report.find_ratio(results, other, of, "step")
             if ratio is None:
-                continue
+                return None
             word = ("" if rounds < 2 else {"slower": ", faster", "faster": ", slower",
                                            "same": ", no measurable difference"}[ratio["verdict"]])
-            against.append(f"{_ratio_text(ratio)}{word}")
+            return f"{_ratio_text(ratio)}{word}"
+
+        against = [t for t in (speedup(o, "acp") for o in ("ssgd", "powersgd", "powersgd-ddp"))
+                   if t]
+        ddp = speedup("powersgd-ddp", "acp-ddp") or "n/a"
         sent = lambda m: (methods.get(m) or {}).get("bytes_sent_per_step")  # noqa: E731
         data = (f"{sent('ssgd') / 1e6:.1f} MB -> {sent('acp') / 1e6:.2f} MB"
                 if sent("ssgd") and sent("acp") else "n/a")
         lines.append(f"| {title} | {rounds} | {step('ssgd')} "
                      f"| {step('powersgd')} / {step('powersgd-ddp')} "
-                     f"| {step('acp')} | {' / '.join(against) or 'n/a'} | {data} |")
+                     f"| {step('acp')} / {step('acp-ddp')} | {' / '.join(against) or 'n/a'} "
+                     f"| {ddp} | {data} |")
     lines += ["", "Steps: medians over the rounds [interval of the median, 96.9% with 6 "
               "rounds]. ACP-SGD's comparisons: the other method's step over ACP-SGD's, paired "
               "inside each round, with the verdict of its interval (faster, slower, or no "
