@@ -53,6 +53,10 @@ RUNS = (
     ("bert-base_200mbit_cycle50", "BERT-Base, 200 Mbit/s per node, 50 ms Horovod cycle"),
     ("resnet50_100mbit_default_cycle",
      "ResNet-50, 100 Mbit/s per node, Horovod's default 1 ms cycle"),
+    ("resnet50_100mbit_rerun",
+     "ResNet-50, 100 Mbit/s per node: the second invocation of the first run's command"),
+    ("small_np4_100mbit",
+     "The small model at 4 ranks (2 per core), 100 Mbit/s per node (latency-bound)"),
 )
 
 #: Columns of the targets table: the communication-bound runs.
