@@ -45,6 +45,8 @@ RERUN_SUFFIX = "_rerun"
 RUNS = (
     ("resnet50_100mbit", "ResNet-50, 100 Mbit/s per node (S-SGD communication-bound)"),
     ("resnet50_10gbit", "ResNet-50, 10 Gbit/s per node (S-SGD compute-bound)"),
+    ("resnet50_1gbit", "ResNet-50, 1 Gbit/s per node (S-SGD and ACP-SGD near the crossover)"),
+    ("resnet50_50mbit", "ResNet-50, 50 Mbit/s per node (S-SGD, Power-SGD, ACP-SGD)"),
     ("bert-base_200mbit", "BERT-Base, 200 Mbit/s per node (S-SGD communication-bound)"),
     ("bert-base_10gbit", "BERT-Base, 10 Gbit/s per node (S-SGD compute-bound)"),
     ("bert-base_b32_75mbit",
