@@ -246,7 +246,10 @@ def verdict_sentences(results: Dict[str, Any]) -> List[str]:
             said.append(f"{a} {words[ratio['verdict']]} ({_ratio_text(ratio)} of it)")
             continue
         if ratio["verdict"] == "same":
-            said.append(f"{a} and {b}: no measurable difference (step {_ratio_text(ratio)})")
+            # As the tables print it: the other method's step over this one's.
+            speed = report.find_ratio(results, ratio["b"], ratio["a"], "step")
+            said.append(f"{a} and {b}: no measurable difference ({b}'s step is "
+                        f"{_ratio_text(speed)} {a}'s)")
         elif ratio["verdict"] == "faster":
             speed = report.find_ratio(results, ratio["b"], ratio["a"], "step")
             said.append(f"{a} is faster than {b} ({b}'s step is {_ratio_text(speed)} {a}'s)")
