@@ -245,13 +245,12 @@ def verdict_sentences(results: Dict[str, Any]) -> List[str]:
                      "faster": "ran faster than the floor (the floor's measurement was disturbed)"}
             said.append(f"{a} {words[ratio['verdict']]} ({_ratio_text(ratio)} of it)")
             continue
+        # As the tables print it: the other method's step over this one's.
+        speed = report.find_ratio(results, ratio["b"], ratio["a"], "step")
         if ratio["verdict"] == "same":
-            # As the tables print it: the other method's step over this one's.
-            speed = report.find_ratio(results, ratio["b"], ratio["a"], "step")
             said.append(f"{a} and {b}: no measurable difference ({b}'s step is "
                         f"{_ratio_text(speed)} {a}'s)")
         elif ratio["verdict"] == "faster":
-            speed = report.find_ratio(results, ratio["b"], ratio["a"], "step")
             said.append(f"{a} is faster than {b} ({b}'s step is {_ratio_text(speed)} {a}'s)")
         else:
             said.append(f"{a} is slower than {b} (its step is {_ratio_text(ratio)} {b}'s)")

@@ -230,6 +230,11 @@ def _reconstruct_s(members: Sequence[str], params: Dict[str, dict]) -> float:
     return sum(params[n].get("reconstruct_s", 0.0) for n in members)
 
 
+def _compressed_s(params: Dict[str, dict], key: str) -> float:
+    """Sum of a per-parameter time over the compressed parameters."""
+    return sum(p.get(key, 0.0) for p in params.values() if p["compressed"])
+
+
 def _predict_acp_phase(profile, settings, origin, phase: str) -> StepPrediction:
     s = settings.compute_scale
     costs = _Costs(settings, s)
@@ -238,7 +243,7 @@ def _predict_acp_phase(profile, settings, origin, phase: str) -> StepPrediction:
     orth = profile["orthonormalize_s"]["acp_" + phase.lower()]
     # Step-ahead error feedback (the default): the shift before the forward
     # pass and the restore at the start of step(), on the training thread.
-    shift = sum(p.get("step_ahead_s", 0.0) for p in params.values() if p["compressed"]) * s
+    shift = _compressed_s(params, "step_ahead_s") * s
     start = profile["forward_s"] * s + shift
     done, bwd_end = _hooked_backward(profile, s, start, orth,
                                      lambda p: p.get(key, 0.0) if p["compressed"] else 0.0)
@@ -252,8 +257,7 @@ def _predict_acp_phase(profile, settings, origin, phase: str) -> StepPrediction:
         recon += r
     t += profile["optimizer_s"] * s + costs.host_s
     compute = _compute_s(profile, s)
-    compression = shift + orth * s + sum(p.get(key, 0.0) for p in params.values()
-                                         if p["compressed"]) * s + recon
+    compression = shift + orth * s + _compressed_s(params, key) * s + recon
     return StepPrediction(t, compute, compression, t - compute - compression,
                           sum(b["bytes"] for b in buckets), thread.collectives, thread.busy_s)
 
