@@ -570,6 +570,13 @@ def test_emulated_run_crosses_the_link_and_cleans_up(tmp_path):
         entry = results["methods"][method]
         # Every payload byte went out through the rate-limited interface.
         assert entry["link_tx_bytes_per_step"] >= entry["bytes_sent_per_step"]
+    # The idle diagnostics time a tiny all-reduce on the job's own ranks (the
+    # planner's latency calibration); the others have no collective to time.
+    diags = results["diagnostics"]
+    assert set(diags) == {"compute-concurrent", "hvd-idle", "ddp-idle", "acp-local"}
+    for name in ("hvd-idle", "ddp-idle"):
+        assert 0 < diags[name]["tiny_allreduce_s"] < 1.0, name
+    assert "tiny_allreduce_s" not in diags["compute-concurrent"]
     after = set(subprocess.run(["ip", "netns", "list"], capture_output=True,
                                text=True).stdout.split())
     # Names are hvdacp-<driver pid>-...: a live pid is another benchmark

@@ -12,7 +12,8 @@ from torch import nn
 from hvd_acp.plan import Network, Settings, allreduce_s, predict_methods, ring_allreduce_s
 from hvd_acp.plan.__main__ import main
 from hvd_acp.plan.timeline import HorovodThread
-from hvd_acp.plan.validate import validate
+from hvd_acp.plan.validate import format_validation, validate
+from tests.hvdrun import requires_emulation
 
 MB = 1e6
 
@@ -75,6 +76,69 @@ def test_hierarchical_allreduce_by_hand():
         Network(bandwidth_mbit=80, gpus_per_node=4)
 
 
+def test_network_stack_is_per_byte_between_nodes_and_not_scaled_with_compute():
+    # 4 ranks: 1.5 n moved, each byte paying the host's work and the stack's.
+    n = net(host_s_per_byte=1e-7, stack_s_per_byte=2e-7)
+    assert allreduce_s(1e6, 4, n) == pytest.approx(1.5 + 1.5e6 * 3e-7)
+    # A compute scale multiplies the host's work only.
+    assert allreduce_s(1e6, 4, n.scaled_host(3.0)) == pytest.approx(1.5 + 1.5e6 * 5e-7)
+    assert allreduce_s(1e6, 4, n.wire_only()) == pytest.approx(1.5)
+    # Inside a node (NVLink) there is no network stack; across nodes there is.
+    h = Network(bandwidth_mbit=80, wire_efficiency=1.0, gpus_per_node=4,
+                intra_bandwidth_mbit=800, stack_s_per_byte=1e-7)
+    assert allreduce_s(1e6, 4, h) == pytest.approx(1.5e6 / 1e8)
+    assert allreduce_s(1e6, 8, h) == pytest.approx(1.5e6 / 1e8 + 1e6 / 1e7 + 1e6 * 1e-7)
+    with pytest.raises(ValueError, match="stack_s_per_byte"):
+        Network(bandwidth_mbit=80, stack_s_per_byte=-1.0)
+    # Serial host work: the stack's share is added to the step like the host's.
+    prof = synthetic([{"name": "w", "bytes": 1e6, "ready_s": 0.0}])
+    serial = predict_methods(prof, Settings(np=2, network=net(stack_s_per_byte=1e-6),
+                                            cycle_time_s=0.0, host_serial=True,
+                                            compute_scale=1.0), ["ssgd"])
+    assert serial["ssgd"].step_s == pytest.approx(4.5)
+
+
+@pytest.mark.timeout(120)
+@requires_emulation
+def test_calibrate_link_measures_the_emulated_network(tmp_path, capsys):
+    out = tmp_path / "link.json"
+    assert main(["calibrate-link", "--rates", "1gbit", "--megabytes", "16", "--repeats", "1",
+                 "--out", str(out)]) == 0
+    link = json.loads(out.read_text())
+    (row,) = link["per_rate"]
+    # Moving bytes costs CPU time, and the token bucket held the rate to 1 Gbit/s.
+    assert row["rate_mbit"] == 1000.0 and row["stack_s_per_byte"] > 0
+    assert row["achieved_mbit"][0] < 1000.0 * 1.05
+    assert "ns per byte" in capsys.readouterr().out
+    assert main(["calibrate-link", "--rates", "fast", "--out", str(out)]) == 2
+    assert "bandwidth must" in capsys.readouterr().err
+
+
+def test_link_calibration_file_and_interpolation(tmp_path):
+    from hvd_acp.plan.link import read_link, stack_s_per_byte
+    link = {"kind": "hvd-acp link calibration", "format": 1, "stack_s_per_byte": 2e-9,
+            "per_rate": [{"rate_mbit": 10000.0, "stack_s_per_byte": 3e-9},
+                         {"rate_mbit": 1000.0, "stack_s_per_byte": 1e-9}]}
+    # Log-linear between the measured rates, the nearest value outside them.
+    assert stack_s_per_byte(link, 1000.0) == pytest.approx(1e-9)
+    assert stack_s_per_byte(link, 10 ** 3.5) == pytest.approx(2e-9)
+    assert stack_s_per_byte(link, 100.0) == pytest.approx(1e-9)
+    assert stack_s_per_byte(link, 1e5) == pytest.approx(3e-9)
+    assert stack_s_per_byte({"stack_s_per_byte": 4e-9}, 5.0) == 4e-9
+    good = tmp_path / "link.json"
+    good.write_text(json.dumps(link))
+    assert read_link(good)["stack_s_per_byte"] == 2e-9
+    with pytest.raises(FileNotFoundError, match="not found"):
+        read_link(tmp_path / "nope.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"kind": "hvd-acp link calibration", "stack_s_per_byte": -1}))
+    with pytest.raises(ValueError, match="not a link calibration"):
+        read_link(bad)
+    bad.write_text("{")
+    with pytest.raises(ValueError, match="not JSON"):
+        read_link(bad)
+
+
 def test_horovod_cycle_and_fusion():
     thread = HorovodThread(0.01, 64, lambda b: b * 1e-3)
     # Ready at 3 ms: waits for the tick at 10 ms; two tensors of one tick fuse.
@@ -83,6 +147,44 @@ def test_horovod_cycle_and_fusion():
     # Over the fusion threshold: two collectives, one after the other.
     thread = HorovodThread(0.01, 64, lambda b: b * 1e-3)
     assert thread.submit([(0.0, 40), (0.0, 40)]) == pytest.approx([0.04, 0.08])
+
+
+def test_horovod_negotiation_starts_every_cycle_that_has_work():
+    thread = HorovodThread(0.01, 64, lambda b: b * 1e-3, negotiation_s=0.002)
+    # Tick at 10 ms, 2 ms of negotiation, then 30 ms on the wire.
+    assert thread.submit([(0.003, 10), (0.004, 20)]) == pytest.approx([0.042, 0.042])
+    # A second cycle with work pays it again.
+    thread = HorovodThread(0.01, 64, lambda b: b * 1e-3, negotiation_s=0.002)
+    assert thread.submit([(0.0, 1), (0.02, 1)]) == pytest.approx([0.003, 0.023])
+
+
+def test_latency_calibrated_from_the_runs_tiny_allreduce_probes():
+    from hvd_acp.plan.timeline import horovod_tiny_allreduce_s
+    from hvd_acp.plan.validate import calibration, latency
+    prof = synthetic([{"name": "w", "bytes": 1e6, "ready_s": 2.0}])
+    bench = _bench({"acp": 4.0}, diagnostics={
+        "hvd-idle": {"step_s_median": 3.5, "tiny_allreduce_s": 0.040},
+        "ddp-idle": {"step_s_median": 3.5, "tiny_allreduce_s": 0.012},
+        "compute-concurrent": {"step_s_median": 7.0}})
+    bench["config"]["np"] = 4
+    cal = calibration(bench, prof)
+    # The Gloo floor is the DDP hook's calibration when the run has it.
+    assert cal["ddp_compute_scale"] == pytest.approx(1.0)
+    base = Settings(np=4, network=net(), cycle_time_s=0.01)
+    tuned = latency(cal, base)
+    # 12 ms for 6 ring steps; Horovod's probe reproduced exactly by the timeline.
+    assert tuned.network.latency_s == pytest.approx(0.002)
+    assert tuned.horovod_negotiation_s > 0
+    assert horovod_tiny_allreduce_s(tuned) == pytest.approx(0.040, rel=1e-3)
+    # A probe faster than the cycle's wait alone: no negative negotiation.
+    cal["horovod_tiny_allreduce_s"] = 1e-4
+    assert latency(cal, base).horovod_negotiation_s == 0.0
+    # Without probes (older runs): no latency, no negotiation.
+    none = latency(calibration(_bench({"acp": 4.0}), prof), base)
+    assert none.network.latency_s == 0.0 and none.horovod_negotiation_s == 0.0
+    result = validate(bench, prof)
+    assert result["latency_s"] == pytest.approx(0.002)
+    assert "tiny all-reduce probes" in format_validation(result)
 
 
 # ------------------------------------------------------------------ timeline
@@ -374,6 +476,22 @@ def test_validate_synthetic_run(tmp_path, capsys):
     assert json.loads((tmp_path / "v" / "validate.json").read_text())[0]["worst_method"] == "ssgd"
     with pytest.raises(ValueError, match="batch_size"):
         validate(dict(bench, config=dict(bench["config"], batch_size=16)), prof)
+    # A link calibration adds its stack cost per byte moved to the serial step
+    # (2 ranks on 2 CPUs: no spare core) and to nothing else.
+    serial = dict(bench, config=dict(bench["config"], cpus=2, threads_per_rank=1))
+    link = {"kind": "hvd-acp link calibration", "stack_s_per_byte": 1e-7}
+    plain, linked = validate(serial, prof), validate(serial, prof, link=link)
+    assert linked["stack_s_per_byte"] == 1e-7 and plain["stack_s_per_byte"] == 0.0
+    assert (linked["methods"]["acp"]["predicted_step_s"]
+            - plain["methods"]["acp"]["predicted_step_s"]) == pytest.approx(1e6 * 1e-7)
+    lf = tmp_path / "link.json"
+    lf.write_text(json.dumps(link))
+    assert main(["validate", "--bench", str(bf), "--profile", str(pf),
+                 "--link-calibration", str(lf)]) == 0
+    assert "network stack 100.00 ns/byte" in capsys.readouterr().out
+    assert main(["validate", "--bench", str(bf), "--profile", str(pf),
+                 "--link-calibration", str(tmp_path / "none.json")]) == 2
+    assert "none.json' not found" in capsys.readouterr().err
 
 
 def test_recommendation_needs_a_gain_beyond_the_planners_error():

@@ -27,7 +27,8 @@ from .launch import (Command, JobError, kill_worker_pids, new_session_dying_with
                      run_job, stop)
 from .netem import EmulatedNetwork
 from .rendezvous import rank_commands, start_server
-from .stats import combine_ranks, median_interval, percentile, round_order, summarize_steps
+from .stats import (combine_ranks, machine_busy_s, median_interval, percentile, round_order,
+                    summarize_steps)
 from .worker import DIAGNOSTICS, HOROVOD_METHODS, IFACE_ENV
 
 logger = logging.getLogger(__name__)
@@ -96,14 +97,6 @@ def _versions() -> Dict[str, str]:
     return versions
 
 
-def _machine_busy_s() -> float:
-    """CPU-seconds the whole machine has been busy (all CPUs, /proc/stat)."""
-    with open("/proc/stat", encoding="ascii") as stat:
-        fields = [int(v) for v in stat.readline().split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
 def _own_cpu_s() -> float:
     """CPU-seconds of this process and of its children that have been reaped."""
     t = os.times()
@@ -120,13 +113,13 @@ class _Interference:
     """
 
     def __enter__(self):
-        self.busy, self.own, self.wall = _machine_busy_s(), _own_cpu_s(), time.monotonic()
+        self.busy, self.own, self.wall = machine_busy_s(), _own_cpu_s(), time.monotonic()
         self.share: Optional[float] = None
         return self
 
     def __exit__(self, *exc):
         wall = time.monotonic() - self.wall
-        outside = (_machine_busy_s() - self.busy) - (_own_cpu_s() - self.own)
+        outside = (machine_busy_s() - self.busy) - (_own_cpu_s() - self.own)
         self.share = max(0.0, outside) / (wall * (os.cpu_count() or 1)) if wall > 0 else 0.0
 
 
@@ -272,6 +265,10 @@ def _summarize(cfg: BenchConfig, method: str, ranks: List[Dict[str, Any]]) -> Di
     # reconstructs and updates; DDP waits at the end of backward instead).
     entry["phase_s_median"] = {name: percentile(values, 50)
                                for name, values in ranks[0]["phase_s"].items() if values}
+    if all("tiny_allreduce_s" in r for r in ranks):
+        # The idle diagnostics' probe: a call is done when every rank is.
+        entry["tiny_allreduce_s"] = percentile(
+            combine_ranks([r["tiny_allreduce_s"] for r in ranks]), 50)
     if all("link_tx_bytes" in r for r in ranks):
         entry["link_tx_bytes_per_step"] = sum(r["link_tx_bytes"] for r in ranks) / per_rank
     if method == "powersgd-ddp":

@@ -377,6 +377,8 @@ _DIAGNOSTIC_LABELS = {
                           "communication)",
     "hvd-idle": "same under Horovod: hvd.init(), plain local optimizer, nothing "
                 "all-reduced",
+    "ddp-idle": "same under torch.distributed: Gloo process group, plain local optimizer, "
+                "nothing all-reduced",
     "acp-local": "ACP-SGD on a world of one (LocalCommunicator) in N processes at once: "
                  "compression, no communication",
 }
@@ -390,16 +392,18 @@ def _diagnostics_table(results: Dict[str, Any]) -> List[str]:
         return []
     rounds = results.get("rounds") or 1
     lines = ["| diagnostic | step median (s) [interval] | x floor, paired | verdict "
-             "| compression s/step | CPU share used outside the job |",
-             "|---|---:|---:|---|---:|---:|"]
+             "| compression s/step | tiny all-reduce (ms) | CPU share used outside the job |",
+             "|---|---:|---:|---|---:|---:|---:|"]
     for name, entry in diagnostics.items():
         if entry.get("step_s_median") is None:
-            lines.append(f"| {_DIAGNOSTIC_LABELS.get(name, name)} | failed |||||")
+            lines.append(f"| {_DIAGNOSTIC_LABELS.get(name, name)} | failed ||||||")
             continue
+        tiny = entry.get("tiny_allreduce_s")
         to_floor = find_ratio(results, name, FLOOR, key="diagnostic_ratios")
         lines.append(f"| {_DIAGNOSTIC_LABELS.get(name, name)} | {_step_range(entry)} "
                      f"| {_fmt_ratio(to_floor)} | {_say(to_floor, rounds)} "
                      f"| {_fmt(entry.get('compression_s_per_step'), 4)} "
+                     f"| {'' if tiny is None else _fmt(tiny * 1e3, 2)} "
                      f"| {_fmt(entry.get('cpu_share_outside_job'), 2)} |")
     lines.append("")
     return lines

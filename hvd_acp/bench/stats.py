@@ -14,10 +14,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import re
 from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar
 
-__all__ = ["METHODS", "parse_bandwidth", "parse_methods", "percentile",
+__all__ = ["METHODS", "machine_busy_s", "parse_bandwidth", "parse_methods", "percentile",
            "summarize_steps", "combine_ranks", "tbf_burst_bytes", "round_order",
            "Interval", "order_statistic_rank", "median_interval", "paired_ratios",
            "verdict", "CONFIDENCE", "VERDICTS"]
@@ -277,3 +278,11 @@ def verdict(interval: Interval, threshold: float = 1.0) -> str:
     if interval.low > threshold:
         return "slower"
     return "same"
+
+
+def machine_busy_s() -> float:
+    """CPU-seconds the whole machine has been busy (all CPUs, /proc/stat)."""
+    with open("/proc/stat", encoding="ascii") as stat:
+        fields = [int(v) for v in stat.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")

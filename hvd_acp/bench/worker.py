@@ -15,6 +15,7 @@ import functools
 import gc
 import json
 import os
+import random
 import sys
 import threading
 import time
@@ -30,8 +31,12 @@ PROGRESS_TAG = "@@hvd_acp.bench"
 HOROVOD_METHODS = ("ssgd", "powersgd", "acp")
 #: Diagnostics (``--diagnostics``): where the time over the floor comes from.
 #: ``compute-concurrent`` and ``acp-local`` run as ``np`` independent processes
-#: at once (``--rank``), ``hvd-idle`` under Horovod like the methods.
-DIAGNOSTICS = ("compute-concurrent", "hvd-idle", "acp-local")
+#: at once (``--rank``), ``hvd-idle`` under Horovod like the methods,
+#: ``ddp-idle`` under torchrun like the DDP methods. The two idle jobs also
+#: time a tiny all-reduce after their steps (:func:`probe_tiny_allreduce`).
+DIAGNOSTICS = ("compute-concurrent", "hvd-idle", "ddp-idle", "acp-local")
+#: Timed tiny all-reduces of the idle diagnostics.
+PROBE_CALLS = 20
 #: DDP with a communication hook: torch's ``powerSGD_hook`` or hvd_acp's ``acp_hook``.
 DDP_METHODS = ("powersgd-ddp", "acp-ddp")
 WORKER_METHODS = HOROVOD_METHODS + DDP_METHODS + ("compute",) + DIAGNOSTICS
@@ -223,7 +228,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         import horovod.torch as hvd
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
-    elif method in DDP_METHODS:
+    elif method in DDP_METHODS + ("ddp-idle",):
         import torch.distributed as dist
         dist.init_process_group("gloo")
         rank, size = dist.get_rank(), dist.get_world_size()
@@ -317,7 +322,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                     "compression_seconds": lambda: optimizer.reducer.compression_seconds}
     else:
         # compute, compute-concurrent, hvd-idle (Horovod initialized, its
-        # background thread running, but no gradient communicated).
+        # background thread running, but no gradient communicated), ddp-idle
+        # (the same with torch.distributed's Gloo process group).
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
         counters = {"bytes_sent": lambda: 0, "allreduces": lambda: 0,
                     "compression_seconds": lambda: 0.0}
@@ -343,11 +349,44 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     for key, get in counters.items():
         result[key] = get() - start[key]
     result["steps"] = args.steps
+    if method in ("hvd-idle", "ddp-idle"):
+        result["tiny_allreduce_s"] = probe_tiny_allreduce(method)
     return result
 
 
+def probe_tiny_allreduce(method: str, calls: int = PROBE_CALLS) -> List[float]:
+    """Seconds of each of ``calls`` all-reduces of one float, on this job's ranks.
+
+    What a collective costs here beyond its bytes: the ring's per-step
+    latency (with more ranks than cores, the next rank must be scheduled),
+    and under Horovod its negotiation and the wait for its cycle. Under
+    Horovod every call starts after a pause drawn uniformly from one cycle
+    (the same draws on every rank), so the cycle's phase is uniform as in a
+    training step; the planner subtracts the mean wait (half a cycle).
+    """
+    x = torch.zeros(1)
+    if method == "hvd-idle":
+        import horovod.torch as hvd
+        cycle_s = float(os.environ.get("HOROVOD_CYCLE_TIME", "1")) / 1e3
+        allreduce = functools.partial(hvd.allreduce_, x, name="hvd_acp.probe")
+    else:
+        import torch.distributed as dist
+        cycle_s = 0.0
+        allreduce = functools.partial(dist.all_reduce, x)
+    draws = random.Random(0)
+    allreduce()                       # aligns the ranks and warms the path
+    times = []
+    for _ in range(calls):
+        if cycle_s > 0:
+            time.sleep(draws.uniform(0.0, cycle_s))
+        started = time.perf_counter()
+        allreduce()
+        times.append(time.perf_counter() - started)
+    return times
+
+
 def _barrier(method: str) -> None:
-    if method in DDP_METHODS:
+    if method in DDP_METHODS + ("ddp-idle",):
         import torch.distributed as dist
         dist.barrier()
     elif method in HOROVOD_METHODS + ("hvd-idle",):
@@ -365,7 +404,7 @@ def _shutdown(method: str) -> None:
     was written).
     """
     gc.collect()
-    if method in DDP_METHODS:
+    if method in DDP_METHODS + ("ddp-idle",):
         import torch.distributed as dist
         dist.barrier()
         dist.destroy_process_group()

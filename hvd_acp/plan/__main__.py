@@ -4,7 +4,9 @@
 profile; ``hvd-acp-plan predict ...`` (or ``hvd-acp-plan`` with predict's
 options) predicts every method's step for a grid of clusters;
 ``hvd-acp-plan validate --bench RUN/results.json`` predicts a measured
-benchmark run and prints measured, predicted and error per method.
+benchmark run and prints measured, predicted and error per method;
+``hvd-acp-plan calibrate-link --out link.json`` measures the CPU cost per
+byte of the benchmark's emulated network (root), for ``--link-calibration``.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from ..bench.stats import number_type
 from .cost import parse_bandwidth_list, parse_int_list
 
 MODELS = ("resnet50", "bert-base", "small")
-SUBCOMMANDS = ("profile", "predict", "validate")
+SUBCOMMANDS = ("profile", "predict", "validate", "calibrate-link")
 
 
 _positive = number_type(int, lambda v: v >= 1, "a positive int")
@@ -80,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="host cost per byte of an all-reduce (default: the profile's)")
     pred.add_argument("--wire-efficiency", type=_positive_float, default=None,
                       help="payload share of the link rate (default 1448/1514, TCP on Ethernet)")
+    pred.add_argument("--link-calibration", type=Path, default=None,
+                      help="a calibrate-link file: add its network stack's CPU cost per byte "
+                           "to every all-reduce (default: none, as where the NIC does it)")
     pred.add_argument("--host-serial", action="store_true",
                       help="the collectives' host work delays computation (no spare core per "
                            "rank, e.g. a CPU cluster with a rank per core)")
@@ -94,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("--profile", type=Path, default=None,
                      help="a profile of the run's model and batch (default: profile it here, "
                           "once per distinct model, batch and rank)")
+    val.add_argument("--link-calibration", type=Path, default=None,
+                     help="a calibrate-link file of this machine: the emulated network's CPU "
+                          "cost per byte, added to every all-reduce")
     val.add_argument("--no-calibration", action="store_true",
                      help="use the profile's times as they are (no floor-based scale)")
     val.add_argument("--max-error", type=_positive_float, default=None,
@@ -101,6 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("--repeats", type=_positive, default=3)
     val.add_argument("--steps", type=_positive, default=3)
     val.add_argument("--out", type=Path, default=None, help="write validate.json and validate.md")
+
+    link = sub.add_parser("calibrate-link",
+                          help="CPU cost per byte of the benchmark's emulated network (root)")
+    link.add_argument("--rates", default="1gbit,10gbit",
+                      help="link rates to measure at, comma-separated (default 1gbit,10gbit)")
+    link.add_argument("--megabytes", type=_positive, default=256,
+                      help="bytes sent per transfer, MiB (default 256)")
+    link.add_argument("--repeats", type=_positive, default=3)
+    link.add_argument("--out", type=Path, required=True, help="link.json to write")
     return parser
 
 
@@ -110,13 +127,8 @@ def _fail(message: str) -> int:
 
 
 def _read_profile(path: Path) -> dict:
-    if not path.is_file():
-        raise FileNotFoundError(f"profile file {str(path)!r} not found")
-    try:
-        profile = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"profile file {str(path)!r} is not JSON: {exc}") from None
-    from .profile_format import check_profile
+    from .profile_format import check_profile, read_json
+    profile = read_json(path, "profile")
     check_profile(profile, str(path))
     return profile
 
@@ -153,11 +165,35 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 0
         if args.command == "predict":
             return _predict(parser, args, command)
+        if args.command == "calibrate-link":
+            return _calibrate_link(args, command)
         return _validate(args)
     except FileNotFoundError as exc:
         return _fail(str(exc))
     except ValueError as exc:
         return _fail(str(exc))
+
+
+def _calibrate_link(args, command: str) -> int:
+    from ..bench.netem import NetworkSetupError
+    from .link import BusyMachine, calibrate_link
+    rates = parse_bandwidth_list(args.rates)
+    try:
+        link = calibrate_link(rates, nbytes=args.megabytes << 20, repeats=args.repeats)
+    except NetworkSetupError as exc:
+        return _fail(str(exc))
+    except BusyMachine as exc:
+        print(f"hvd-acp-plan: {exc}", file=sys.stderr)
+        return 1
+    link["command"] = command
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(link, indent=1) + "\n")
+    for row in link["per_rate"]:
+        print(f"{row['rate_mbit']:g} Mbit/s: {row['stack_s_per_byte'] * 1e9:.2f} ns per byte "
+              f"sent and received (achieved "
+              f"{sorted(row['achieved_mbit'])[len(row['achieved_mbit']) // 2]:.0f} Mbit/s)")
+    print(f"wrote {args.out}")
+    return 0
 
 
 def _predict(parser, args, command: str) -> int:
@@ -191,6 +227,10 @@ def _predict(parser, args, command: str) -> int:
             "host_s_per_byte": args.host_s_per_byte, "wire_efficiency": args.wire_efficiency,
             "gpus_per_node": args.gpus_per_node, "intra_bandwidth_mbit": intra,
             "intra_latency_us": args.intra_latency_us, "host_serial": args.host_serial}
+    if args.link_calibration is not None:
+        from .link import read_link
+        opts["link"] = read_link(args.link_calibration)
+        opts["link_source"] = str(args.link_calibration)
     write_plan(profile, args.out, nps, bws, lats, opts, command=command,
                profile_source=source, plot=not args.no_plot)
     print((args.out / "plan.md").read_text())
@@ -207,6 +247,10 @@ def _validate(args) -> int:
     if missing:
         raise FileNotFoundError(f"benchmark results {', '.join(missing)} not found")
     given = _read_profile(args.profile) if args.profile else None
+    link = None
+    if args.link_calibration is not None:
+        from .link import read_link
+        link = read_link(args.link_calibration)
     cache = {}
     results, text, worst = [], [], 0.0
     for path, bench in benches:
@@ -224,7 +268,7 @@ def _validate(args) -> int:
                                              image_size=key[3], seq_len=key[4],
                                              steps=args.steps, repeats=args.repeats)
             profile = cache[key]
-        result = validate(bench, profile, calibrate=not args.no_calibration)
+        result = validate(bench, profile, calibrate=not args.no_calibration, link=link)
         result["bench"] = str(path)
         results.append(result)
         block = format_validation(result, str(path.parent.name or path))

@@ -11,8 +11,11 @@ each of which every rank sends and receives ``n / N`` bytes::
 (the nominal rate times :attr:`Network.wire_efficiency`, the share of a
 frame that is payload), and ``gamma`` the host's own cost per byte it sends
 and receives (copies into and out of the fusion buffer, the reduction, the
-network stack), measured by the profile on the device (see
-:mod:`.profile`). With ``G`` GPUs per node (``N = G * M``) the
+network stack): the collective's own work measured by the profile on the
+device (``host_s_per_byte``, see :mod:`.profile`) plus, between nodes, the
+kernel's network stack (``stack_s_per_byte``, measured by
+:mod:`.link` on the benchmark's emulated network; about 0 where the NIC
+does that work). With ``G`` GPUs per node (``N = G * M``) the
 hierarchical variant reduces inside each node first (a ring over ``G`` at
 the intra-node rate), all-reduces across the ``M`` nodes (the node's link
 carries all of its GPUs' shards) and gathers inside the node again.
@@ -39,7 +42,10 @@ class Network:
         bandwidth_mbit: nominal rate of each node's link, Mbit/s.
         latency_s: ``alpha``, the latency of one step of the ring, seconds.
         wire_efficiency: share of the nominal rate that carries payload.
-        host_s_per_byte: ``gamma``, host seconds per byte sent and received.
+        host_s_per_byte: the collective's own host seconds per byte sent and
+            received (copies, reduction), scaled with compute.
+        stack_s_per_byte: the network stack's CPU seconds per byte sent and
+            received between nodes (``gamma`` is the sum of the two).
         gpus_per_node: ``G``; with ``G > 1`` all-reduces are hierarchical.
         intra_bandwidth_mbit: rate between the GPUs of one node (needed when
             ``gpus_per_node > 1``).
@@ -50,6 +56,7 @@ class Network:
     latency_s: float = 0.0
     wire_efficiency: float = ETHERNET_PAYLOAD_SHARE
     host_s_per_byte: float = 0.0
+    stack_s_per_byte: float = 0.0
     gpus_per_node: int = 1
     intra_bandwidth_mbit: Optional[float] = None
     intra_latency_s: float = 0.0
@@ -63,8 +70,9 @@ class Network:
                              f"{self.intra_latency_s!r}")
         if not 0 < self.wire_efficiency <= 1:
             raise ValueError(f"wire_efficiency must be in (0, 1], got {self.wire_efficiency!r}")
-        if self.host_s_per_byte < 0:
-            raise ValueError(f"host_s_per_byte must be >= 0, got {self.host_s_per_byte!r}")
+        if self.host_s_per_byte < 0 or self.stack_s_per_byte < 0:
+            raise ValueError(f"host_s_per_byte and stack_s_per_byte must be >= 0, got "
+                             f"{self.host_s_per_byte!r}, {self.stack_s_per_byte!r}")
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
             raise ValueError(f"gpus_per_node must be a positive int, got {self.gpus_per_node!r}")
         if self.gpus_per_node > 1 and not (self.intra_bandwidth_mbit or 0) > 0:
@@ -79,6 +87,10 @@ class Network:
     def scaled_host(self, factor: float) -> "Network":
         """This network with ``host_s_per_byte`` multiplied by ``factor``."""
         return dataclasses.replace(self, host_s_per_byte=self.host_s_per_byte * factor)
+
+    def wire_only(self) -> "Network":
+        """This network with no host or stack cost: the link alone."""
+        return dataclasses.replace(self, host_s_per_byte=0.0, stack_s_per_byte=0.0)
 
 
 def ring_allreduce_s(nbytes: float, ranks: int, bytes_per_s: float, latency_s: float,
@@ -105,7 +117,7 @@ def allreduce_s(nbytes: float, ranks: int, net: Network) -> float:
     g = net.gpus_per_node
     if g == 1 or ranks == 1:
         return ring_allreduce_s(nbytes, ranks, net.payload_bytes_per_s, net.latency_s,
-                                net.host_s_per_byte)
+                                net.host_s_per_byte + net.stack_s_per_byte)
     intra_bps = net.intra_bandwidth_mbit * 1e6 / 8
     if ranks <= g:
         return ring_allreduce_s(nbytes, ranks, intra_bps, net.intra_latency_s,
@@ -115,7 +127,7 @@ def allreduce_s(nbytes: float, ranks: int, net: Network) -> float:
     nodes = ranks // g
     return (ring_allreduce_s(nbytes, g, intra_bps, net.intra_latency_s, net.host_s_per_byte)
             + ring_allreduce_s(nbytes, nodes, net.payload_bytes_per_s, net.latency_s,
-                               net.host_s_per_byte))
+                               net.host_s_per_byte + net.stack_s_per_byte))
 
 
 def parse_bandwidth_list(text: str):

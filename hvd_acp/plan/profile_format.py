@@ -1,7 +1,12 @@
-"""What a profile file must hold for :mod:`.timeline` (pure, no torch)."""
+"""The planner's input files: what a profile must hold for :mod:`.timeline`,
+and reading JSON with clear errors (pure, no torch)."""
 from __future__ import annotations
 
-__all__ = ["check_profile"]
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["check_profile", "read_json"]
 
 _TOP = ("format", "matrix_rank", "forward_s", "backward_s", "optimizer_s", "params", "buckets",
         "ddp_buckets", "orthonormalize_s")
@@ -26,3 +31,14 @@ def check_profile(profile: dict, where: str = "profile") -> None:
     for key in ("acp_p", "acp_q", "psgd_p", "psgd_q"):
         if key not in profile["buckets"]:
             raise ValueError(f"{where}: buckets lack {key!r}")
+
+
+def read_json(path, what: str) -> Any:
+    """The JSON in ``path``; ``FileNotFoundError`` or ``ValueError`` naming ``what``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} file {str(path)!r} not found")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} file {str(path)!r} is not JSON: {exc}") from None

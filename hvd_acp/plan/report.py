@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from .cost import Network
+from .link import stack_s_per_byte
 from .timeline import METHODS, Settings, predict_methods
 
 __all__ = ["LABELS", "predict_grid", "recommend", "crossovers", "write_plan", "format_plan_md"]
@@ -68,10 +69,11 @@ def _entry(profile: dict, settings: Settings, latency_us: float) -> dict:
 
 
 def _settings(profile: dict, np: int, bw: float, latency_us: float, opts: dict) -> Settings:
-    host = opts.get("host_s_per_byte")
+    host, link = opts.get("host_s_per_byte"), opts.get("link")
     net = Network(bandwidth_mbit=bw, latency_s=latency_us * 1e-6,
                   wire_efficiency=opts.get("wire_efficiency") or Network.wire_efficiency,
                   host_s_per_byte=profile.get("host_s_per_byte", 0.0) if host is None else host,
+                  stack_s_per_byte=stack_s_per_byte(link, bw) if link else 0.0,
                   gpus_per_node=opts.get("gpus_per_node") or 1,
                   intra_bandwidth_mbit=opts.get("intra_bandwidth_mbit"),
                   intra_latency_s=(opts.get("intra_latency_us") or 0.0) * 1e-6)
@@ -119,7 +121,10 @@ def format_plan_md(plan: dict) -> str:
              f"Profile: `{cfg.get('profile_source', '')}` ({cfg.get('description', '')}; device "
              f"{cfg.get('device')}, batch {cfg.get('batch_size')} per rank, matrix rank "
              f"{cfg.get('matrix_rank')}); compute scale {cfg['compute_scale']:g}; Horovod cycle "
-             f"{cfg['cycle_time_ms']:g} ms; host cost {cfg['host_s_per_byte'] * 1e9:.2f} ns/byte; "
+             f"{cfg['cycle_time_ms']:g} ms; host cost {cfg['host_s_per_byte'] * 1e9:.2f} ns/byte"
+             + (f"; network stack {cfg['stack_s_per_byte'] * 1e9:.2f} ns/byte at "
+                f"{_fmt_bw(cfg['bandwidth_mbit'][0])} (`{cfg['link_calibration']}`)"
+                if cfg.get("link_calibration") else "") + "; "
              f"wire efficiency {cfg['wire_efficiency']:.3f}"
              + (f"; {cfg['gpus_per_node']} GPUs per node at "
                 f"{_fmt_bw(cfg['intra_bandwidth_mbit'])}" if cfg.get("gpus_per_node", 1) > 1
@@ -215,6 +220,8 @@ def write_plan(profile: dict, out: Path, nps: Sequence[int], bandwidths_mbit: Se
         "latency_us": list(latencies_us), "cycle_time_ms": first.cycle_time_s * 1e3,
         "compute_scale": first.compute_scale, "wire_efficiency": first.network.wire_efficiency,
         "host_s_per_byte": first.network.host_s_per_byte,
+        "link_calibration": opts.get("link_source"),
+        "stack_s_per_byte": first.network.stack_s_per_byte,
         "gpus_per_node": first.network.gpus_per_node,
         "intra_bandwidth_mbit": first.network.intra_bandwidth_mbit, "command": command,
         "profile": {k: profile.get(k) for k in ("forward_s", "backward_s", "optimizer_s",

@@ -45,7 +45,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from .cost import Network, allreduce_s
 
 __all__ = ["Settings", "StepPrediction", "HorovodThread", "predict_methods", "METHODS",
-           "HOROVOD_FUSION_BYTES"]
+           "HOROVOD_FUSION_BYTES", "horovod_tiny_allreduce_s"]
 
 #: Methods predicted, in report order.
 METHODS = ("ssgd", "powersgd", "powersgd-ddp", "acp")
@@ -67,8 +67,11 @@ class Settings:
         ddp_compute_scale: the same for the DDP hook (default compute_scale).
         cycle_phases: the cycle's phase relative to the step is unknown, so
             figures are averaged over this many evenly spaced phases.
-        host_serial: the host's work on collectives (``host_s_per_byte``)
-            has no core of its own and delays computation: it is added to
+        horovod_negotiation_s: Horovod's coordination at the start of every
+            cycle that runs collectives (0 unless calibrated: the benchmark's
+            tiny all-reduce probe, :mod:`.validate`).
+        host_serial: the host's work on collectives (``host_s_per_byte``
+            and ``stack_s_per_byte``) has no core of its own and delays computation: it is added to
             the step instead of lengthening each collective. True where
             every core runs a rank's compute (this machine: 2 ranks on 2
             cores); False where it runs beside it (a GPU node, where the
@@ -83,6 +86,7 @@ class Settings:
     ddp_compute_scale: Optional[float] = None
     cycle_phases: int = 4
     host_serial: bool = False
+    horovod_negotiation_s: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.np, int) or self.np < 1:
@@ -93,6 +97,9 @@ class Settings:
             raise ValueError(f"compute_scale must be > 0, got {self.compute_scale!r}")
         if self.cycle_phases < 1:
             raise ValueError(f"cycle_phases must be >= 1, got {self.cycle_phases!r}")
+        if self.horovod_negotiation_s < 0:
+            raise ValueError(f"horovod_negotiation_s must be >= 0, got "
+                             f"{self.horovod_negotiation_s!r}")
 
 
 @dataclasses.dataclass
@@ -123,10 +130,13 @@ class HorovodThread:
         fusion_bytes: the largest fused all-reduce.
         cost: seconds of an all-reduce of so many bytes.
         origin: time of one of the cycle's ticks.
+        negotiation_s: coordination at the start of a cycle that has work.
     """
 
-    def __init__(self, cycle_s: float, fusion_bytes: int, cost, origin: float = 0.0):
+    def __init__(self, cycle_s: float, fusion_bytes: int, cost, origin: float = 0.0,
+                 negotiation_s: float = 0.0):
         self.cycle_s = cycle_s
+        self.negotiation_s = negotiation_s
         self.fusion_bytes = fusion_bytes
         self.cost = cost
         self.tick = origin
@@ -151,7 +161,7 @@ class HorovodThread:
             while k < len(order) and requests[order[k]][0] <= start + 1e-12:
                 batch.append(order[k])
                 k += 1
-            t = start
+            t = start + self.negotiation_s
             group, group_bytes = [], 0.0
             for i in batch + [None]:
                 nbytes = requests[i][1] if i is not None else 0.0
@@ -177,7 +187,7 @@ class _Costs:
         self.np = settings.np
         self.full = settings.network.scaled_host(scale)
         self.serial = settings.host_serial
-        self.wire = self.full.scaled_host(0.0) if self.serial else self.full
+        self.wire = self.full.wire_only() if self.serial else self.full
         self.host_s = 0.0
 
     def __call__(self, nbytes: float) -> float:
@@ -185,6 +195,29 @@ class _Costs:
             self.host_s += (allreduce_s(nbytes, self.np, self.full)
                             - allreduce_s(nbytes, self.np, self.wire))
         return allreduce_s(nbytes, self.np, self.wire)
+
+
+def _horovod_thread(settings: Settings, costs, origin: float) -> HorovodThread:
+    return HorovodThread(settings.cycle_time_s, settings.horovod_fusion_bytes, costs, origin,
+                         settings.horovod_negotiation_s)
+
+
+def _phases(settings: Settings) -> List[float]:
+    """The cycle's phases a prediction is averaged over."""
+    if settings.cycle_time_s <= 0:
+        return [0.0]
+    return [settings.cycle_time_s * k / settings.cycle_phases
+            for k in range(settings.cycle_phases)]
+
+
+def horovod_tiny_allreduce_s(settings: Settings, nbytes: float = 4.0) -> float:
+    """Predicted seconds from handing Horovod one tiny tensor to its result,
+    averaged over the cycle's phases (the wait for the cycle, the
+    negotiation, the collective)."""
+    costs = _Costs(settings, settings.compute_scale)
+    done = [_horovod_thread(settings, costs, o).submit([(0.0, nbytes)])[0]
+            for o in _phases(settings)]
+    return sum(done) / len(done) + costs.host_s / len(done)
 
 
 def _backward_order(profile: dict) -> List[dict]:
@@ -214,7 +247,7 @@ def _by_name(profile: dict) -> Dict[str, dict]:
 def _predict_ssgd(profile, settings, origin) -> StepPrediction:
     s = settings.compute_scale
     costs = _Costs(settings, s)
-    thread = HorovodThread(settings.cycle_time_s, settings.horovod_fusion_bytes, costs, origin)
+    thread = _horovod_thread(settings, costs, origin)
     start = profile["forward_s"] * s
     params = _backward_order(profile)
     finish = thread.submit([(start + p["ready_s"] * s, p["bytes"]) for p in params])
@@ -248,7 +281,7 @@ def _predict_acp_phase(profile, settings, origin, phase: str) -> StepPrediction:
     done, bwd_end = _hooked_backward(profile, s, start, orth,
                                      lambda p: p.get(key, 0.0) if p["compressed"] else 0.0)
     buckets = profile["buckets"]["acp_" + phase.lower()]
-    thread = HorovodThread(settings.cycle_time_s, settings.horovod_fusion_bytes, costs, origin)
+    thread = _horovod_thread(settings, costs, origin)
     finish = thread.submit([(max(done[n] for n in b["members"]), b["bytes"]) for b in buckets])
     t, recon = bwd_end, 0.0
     for bucket, arrived in zip(buckets, finish):
@@ -269,7 +302,7 @@ def _predict_powersgd(profile, settings, origin) -> StepPrediction:
     start = profile["forward_s"] * s
     done, bwd_end = _hooked_backward(profile, s, start, 0.0,
                                      lambda p: p.get("psgd_p_s", 0.0) if p["compressed"] else 0.0)
-    thread = HorovodThread(settings.cycle_time_s, settings.horovod_fusion_bytes, costs, origin)
+    thread = _horovod_thread(settings, costs, origin)
     p_buckets, q_buckets = profile["buckets"]["psgd_p"], profile["buckets"]["psgd_q"]
     finish = thread.submit([(max(done[n] for n in b["members"]), b["bytes"])
                             for b in p_buckets])
@@ -344,8 +377,7 @@ def predict_methods(profile: dict, settings: Settings,
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"methods must be among {METHODS}, got {unknown}")
-    phases = ([settings.cycle_time_s * k / settings.cycle_phases
-               for k in range(settings.cycle_phases)] if settings.cycle_time_s > 0 else [0.0])
+    phases = _phases(settings)
     out = {}
     for method in methods:
         if method == "ssgd":
