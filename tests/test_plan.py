@@ -406,6 +406,21 @@ def test_cli_predict_outputs(profile_file, tmp_path, capsys):
     assert main(["--profile", str(profile_file), "--np", "2", "--bandwidth", "1gbit",
                  "--no-plot", "--out", str(tmp_path / "bare")]) == 0
     assert (tmp_path / "bare" / "plan.json").exists()
+    # Horovod's negotiation and a network stack's cost lengthen the Horovod
+    # methods' steps; the link calibration is named in plan.md.
+    link = tmp_path / "link.json"
+    link.write_text(json.dumps({"kind": "hvd-acp link calibration", "stack_s_per_byte": 1e-8}))
+    assert main(["--profile", str(profile_file), "--np", "2", "--bandwidth", "1gbit",
+                 "--no-plot", "--horovod-negotiation-us", "5000", "--link-calibration",
+                 str(link), "--out", str(tmp_path / "slow")]) == 0
+    base = json.loads((tmp_path / "bare" / "plan.json").read_text())["predictions"][0]
+    slower = json.loads((tmp_path / "slow" / "plan.json").read_text())
+    assert slower["config"]["horovod_negotiation_us"] == 5000.0
+    assert slower["config"]["stack_s_per_byte"] == 1e-8
+    for m in ("ssgd", "acp"):
+        assert (slower["predictions"][0]["methods"][m]["step_s"]
+                > base["methods"][m]["step_s"] + 0.004)
+    assert "network stack 10.00 ns/byte" in (tmp_path / "slow" / "plan.md").read_text()
 
 
 def test_cli_errors(profile_file, tmp_path, capsys):

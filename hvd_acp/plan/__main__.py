@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     pred.add_argument("--intra-latency-us", type=_non_negative_float, default=2.0)
     pred.add_argument("--horovod-cycle-time-ms", type=_non_negative_float, default=1.0,
                       help="HOROVOD_CYCLE_TIME (default Horovod's, 1 ms)")
+    pred.add_argument("--horovod-negotiation-us", type=_non_negative_float, default=0.0,
+                      help="Horovod's coordination at the start of each cycle that runs "
+                           "collectives, microseconds (default 0)")
     pred.add_argument("--compute-scale", type=_positive_float, default=1.0,
                       help="multiply the profile's compute and compression times (e.g. to "
                            "project a CPU profile onto a faster device; default 1)")
@@ -224,6 +227,7 @@ def _predict(parser, args, command: str) -> int:
             args.save_profile.write_text(json.dumps(profile, indent=1) + "\n")
     from .report import write_plan
     opts = {"cycle_time_ms": args.horovod_cycle_time_ms, "compute_scale": args.compute_scale,
+            "negotiation_us": args.horovod_negotiation_us,
             "host_s_per_byte": args.host_s_per_byte, "wire_efficiency": args.wire_efficiency,
             "gpus_per_node": args.gpus_per_node, "intra_bandwidth_mbit": intra,
             "intra_latency_us": args.intra_latency_us, "host_serial": args.host_serial}

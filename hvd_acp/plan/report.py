@@ -79,7 +79,8 @@ def _settings(profile: dict, np: int, bw: float, latency_us: float, opts: dict) 
                   intra_latency_s=(opts.get("intra_latency_us") or 0.0) * 1e-6)
     return Settings(np=np, network=net, cycle_time_s=opts.get("cycle_time_ms", 1.0) / 1e3,
                     compute_scale=opts.get("compute_scale") or 1.0,
-                    host_serial=bool(opts.get("host_serial")))
+                    host_serial=bool(opts.get("host_serial")),
+                    horovod_negotiation_s=(opts.get("negotiation_us") or 0.0) * 1e-6)
 
 
 def predict_grid(profile: dict, nps: Sequence[int], bandwidths_mbit: Sequence[float],
@@ -218,6 +219,7 @@ def write_plan(profile: dict, out: Path, nps: Sequence[int], bandwidths_mbit: Se
         "device": profile.get("device"), "device_name": profile.get("device_name"),
         "profile_source": profile_source, "np": list(nps), "bandwidth_mbit": list(bandwidths_mbit),
         "latency_us": list(latencies_us), "cycle_time_ms": first.cycle_time_s * 1e3,
+        "horovod_negotiation_us": first.horovod_negotiation_s * 1e6,
         "compute_scale": first.compute_scale, "wire_efficiency": first.network.wire_efficiency,
         "host_s_per_byte": first.network.host_s_per_byte,
         "link_calibration": opts.get("link_source"),
