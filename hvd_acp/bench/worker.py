@@ -33,8 +33,7 @@ HOROVOD_METHODS = ("ssgd", "powersgd", "acp")
 #: ``compute-concurrent`` and ``acp-local`` run as ``np`` independent processes
 #: at once (``--rank``), ``hvd-idle`` under Horovod like the methods,
 #: ``ddp-idle`` under torchrun like the DDP methods. The two idle jobs also
-#: time a tiny all-reduce after their timed steps, while they keep computing
-#: (:func:`probe_tiny_allreduce`).
+#: time a tiny all-reduce after their steps (:func:`probe_tiny_allreduce`).
 DIAGNOSTICS = ("compute-concurrent", "hvd-idle", "ddp-idle", "acp-local")
 #: Timed tiny all-reduces of the idle diagnostics.
 PROBE_CALLS = 20
@@ -351,26 +350,19 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         result[key] = get() - start[key]
     result["steps"] = args.steps
     if method in ("hvd-idle", "ddp-idle"):
-        result["tiny_allreduce_s"] = probe_tiny_allreduce(
-            # rank -1: these untimed steps report no progress to the driver.
-            method, lambda: _train(spec, optimizer, 1, 0, -1, lambda: None))
+        result["tiny_allreduce_s"] = probe_tiny_allreduce(method)
     return result
 
 
-def probe_tiny_allreduce(method: str, keep_busy: Callable[[], None],
-                         calls: int = PROBE_CALLS) -> List[float]:
-    """Seconds of each of ``calls`` all-reduces of one float, on this job's
-    ranks, while every rank keeps computing (``keep_busy``: one untimed
-    training step, called until the probe is done).
+def probe_tiny_allreduce(method: str, calls: int = PROBE_CALLS) -> List[float]:
+    """Seconds of each of ``calls`` all-reduces of one float, on this job's ranks.
 
-    What a collective costs here beyond its bytes, in the conditions of a
-    training step: the ring's per-step latency (when ranks outnumber cores,
-    the next rank has to be scheduled between other ranks' computation), and
-    under Horovod its negotiation and the wait for its cycle. The calls run
-    on a thread of their own, in the same order on every rank (the main
-    thread sends nothing in the idle jobs). Under Horovod every call starts
-    after a pause drawn uniformly from one cycle (the same draws on every
-    rank), so the cycle's phase is uniform as in a training step.
+    What a collective costs here beyond its bytes: the ring's per-step
+    latency (with more ranks than cores, the next rank must be scheduled),
+    and under Horovod its negotiation and the wait for its cycle. Under
+    Horovod every call starts after a pause drawn uniformly from one cycle
+    (the same draws on every rank), so the cycle's phase is uniform as in a
+    training step; the planner subtracts the mean wait (half a cycle).
     """
     x = torch.zeros(1)
     if method == "hvd-idle":
@@ -381,29 +373,15 @@ def probe_tiny_allreduce(method: str, keep_busy: Callable[[], None],
         import torch.distributed as dist
         cycle_s = 0.0
         allreduce = functools.partial(dist.all_reduce, x)
-    times: List[float] = []
-    failure: List[BaseException] = []
-
-    def probe() -> None:
-        try:
-            draws = random.Random(0)
-            allreduce()                       # aligns the ranks and warms the path
-            for _ in range(calls):
-                if cycle_s > 0:
-                    time.sleep(draws.uniform(0.0, cycle_s))
-                started = time.perf_counter()
-                allreduce()
-                times.append(time.perf_counter() - started)
-        except BaseException as exc:          # re-raised on the main thread
-            failure.append(exc)
-
-    thread = threading.Thread(target=probe, name="hvd_acp.bench.probe", daemon=True)
-    thread.start()
-    while thread.is_alive():
-        keep_busy()
-    thread.join()
-    if failure:
-        raise failure[0]
+    draws = random.Random(0)
+    allreduce()                       # aligns the ranks and warms the path
+    times = []
+    for _ in range(calls):
+        if cycle_s > 0:
+            time.sleep(draws.uniform(0.0, cycle_s))
+        started = time.perf_counter()
+        allreduce()
+        times.append(time.perf_counter() - started)
     return times
 
 
