@@ -49,14 +49,17 @@ RUNS = (
     ("resnet50_50mbit", "ResNet-50, 50 Mbit/s per node (S-SGD, Power-SGD, ACP-SGD)"),
     ("bert-base_200mbit", "BERT-Base, 200 Mbit/s per node (S-SGD communication-bound)"),
     ("bert-base_10gbit", "BERT-Base, 10 Gbit/s per node (S-SGD compute-bound)"),
+    ("bert-base_1gbit", "BERT-Base, 1 Gbit/s per node"),
     ("bert-base_b32_75mbit",
-     "BERT-Base, the paper's batch of 32 per rank, 75 Mbit/s per node (S-SGD communication-bound)"),
+     "BERT-Base, the paper's batch of 32 per rank, 75 Mbit/s per node (Power-SGD and ACP-SGD)"),
     ("resnet50_100mbit_cycle50", "ResNet-50, 100 Mbit/s per node, 50 ms Horovod cycle"),
     ("bert-base_200mbit_cycle50", "BERT-Base, 200 Mbit/s per node, 50 ms Horovod cycle"),
     ("resnet50_100mbit_default_cycle",
      "ResNet-50, 100 Mbit/s per node, Horovod's default 1 ms cycle"),
     ("resnet50_100mbit_rerun",
      "ResNet-50, 100 Mbit/s per node: the second invocation of the first run's command"),
+    ("bert-base_b32_75mbit_rerun",
+     "BERT-Base, batch 32, 75 Mbit/s per node: the second invocation of its command"),
     ("small_np4_100mbit",
      "The small model at 4 ranks (2 per core), 100 Mbit/s per node (latency-bound)"),
 )
@@ -309,8 +312,10 @@ def brief_table(results_dir: Path) -> List[str]:
                                            "same": ", no measurable difference"}[ratio["verdict"]])
             return f"{_ratio_text(ratio)}{word}"
 
-        against = [t for t in (speedup(o, "acp") for o in ("ssgd", "powersgd", "powersgd-ddp"))
-                   if t]
+        # Every position kept (a run without a method says n/a there).
+        against = [speedup(o, "acp") or "n/a" for o in ("ssgd", "powersgd", "powersgd-ddp")]
+        if all(t == "n/a" for t in against):
+            against = []
         ddp = speedup("powersgd-ddp", "acp-ddp") or "n/a"
         sent = lambda m: (methods.get(m) or {}).get("bytes_sent_per_step")  # noqa: E731
         data = (f"{sent('ssgd') / 1e6:.1f} MB -> {sent('acp') / 1e6:.2f} MB"
