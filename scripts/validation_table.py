@@ -1,9 +1,12 @@
 """The validation table of docs/planner.md from ``hvd-acp-plan validate`` outputs.
 
-    .venv/bin/python scripts/validation_table.py bench-results/validation/*/validate.json
+    .venv/bin/python scripts/validation_table.py bench-results/validation/*/validate.json \
+        [--doc docs/planner.md]
 
 Prints one row per validated benchmark run (measured / predicted step and
-the error per method), then the worst errors at 2 and at more ranks.
+the error per method), then the worst errors at 2 and at more ranks; with
+``--doc``, also writes them between ``<!-- validation -->`` and
+``<!-- end validation -->`` of that page.
 """
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ from pathlib import Path
 
 from hvd_acp.plan.report import LABELS
 from hvd_acp.plan.timeline import METHODS
+
+MARKERS = ("<!-- validation -->", "<!-- end validation -->")
 
 
 def _bw(mbit: float) -> str:
@@ -70,9 +75,19 @@ def summary(rows: list) -> list:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("files", type=Path, nargs="+", help="validate.json files")
+    parser.add_argument("--doc", type=Path, default=None, help="a page with the markers")
     args = parser.parse_args(argv)
     rows = [row for path in args.files for row in json.loads(path.read_text())]
-    print("\n".join(table(rows) + [""] + summary(rows)))
+    text = "\n".join(table(rows) + [""] + [f"- {line}" for line in summary(rows)])
+    print(text)
+    if args.doc is not None:
+        page = args.doc.read_text(encoding="utf-8")
+        start, end = MARKERS
+        if start not in page or end not in page:
+            raise SystemExit(f"{args.doc}: markers {start} and {end} not found")
+        head, rest = page.split(start, 1)
+        args.doc.write_text(head + start + "\n\n" + text + "\n\n" + end + rest.split(end, 1)[1],
+                            encoding="utf-8")
     return 0
 
 
