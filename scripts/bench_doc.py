@@ -14,6 +14,9 @@ that run's interval:
 - docs/benchmarks.md, ``<!-- runs -->`` ... ``<!-- end runs -->``: one section
   per run of :data:`RUNS`: its verdicts in words, its tables, command and
   breakdown picture (plotted again into docs/img/);
+- docs/benchmarks.md, ``<!-- time -->`` ... ``<!-- end time -->``: the
+  diagnostic jobs of the runs with rounds and ``--diagnostics``
+  (:data:`TIME_RUNS`);
 - README.md, ``<!-- results in brief -->`` ... ``<!-- end results in brief -->``.
 
 The hand-written parts around the markers are kept. A run ``DIR`` may have a
@@ -39,6 +42,7 @@ from hvd_acp.bench import check, report  # noqa: E402
 RUNS_MARKERS = ("<!-- runs -->", "<!-- end runs -->")
 TARGETS_MARKERS = ("<!-- targets -->", "<!-- end targets -->")
 BRIEF_MARKERS = ("<!-- results in brief -->", "<!-- end results in brief -->")
+TIME_MARKERS = ("<!-- time -->", "<!-- end time -->")
 RERUN_SUFFIX = "_rerun"
 
 #: (directory under bench-results/, section title), in page order.
@@ -78,6 +82,13 @@ BRIEF_RUNS = (
     ("resnet50_100mbit", "ResNet-50, 100 Mbit/s, rank 4"),
     ("bert-base_200mbit", "BERT-Base, 200 Mbit/s, rank 32"),
     ("bert-base_b32_75mbit", "BERT-Base, batch 32, 75 Mbit/s, rank 32"),
+)
+
+#: Rows of "where the time goes": runs with rounds and diagnostics.
+TIME_RUNS = (
+    ("resnet50_100mbit_default_cycle", "ResNet-50, 100 Mbit/s, Horovod cycle 1 ms (default)"),
+    ("resnet50_100mbit_cycle50", "ResNet-50, 100 Mbit/s, Horovod cycle 50 ms"),
+    ("small_np4_100mbit", "small model, 4 ranks, 100 Mbit/s, Horovod cycle 10 ms"),
 )
 
 MET, MISSED, NOISE, NOT_ASSESSED = ("**met**", "**missed**", "**not separable from noise**",
@@ -332,6 +343,37 @@ def brief_table(results_dir: Path) -> List[str]:
     return lines
 
 
+def time_table(results_dir: Path) -> List[str]:
+    """Where the time goes: floor, diagnostics and Horovod's methods, with intervals."""
+    columns = (("compute_only", "floor (1 process)"),
+               ("compute-concurrent", "all ranks computing at once"),
+               ("hvd-idle", "same under Horovod, nothing all-reduced"),
+               ("ddp-idle", "same under torch.distributed"),
+               ("acp-local", "ACP-SGD compression, no communication (all ranks)"),
+               ("powersgd", "Power-SGD (hvd_acp)"), ("acp", "ACP-SGD"))
+    lines = ["| run | " + " | ".join(label for _, label in columns)
+             + " | tiny all-reduce, Horovod / Gloo (ms) |",
+             "|---|" + "---:|" * (len(columns) + 1)]
+    for run, title in TIME_RUNS:
+        results = load(results_dir, run)
+        if results is None or not results.get("diagnostics"):
+            continue
+        jobs = dict(results["methods"], **results["diagnostics"],
+                    compute_only=results["compute_only"])
+        digits = 3 if results["compute_only"]["step_s_median"] > 0.1 else 4
+        cells = []
+        for key, _ in columns:
+            e = jobs.get(key) or {}
+            cells.append("n/a" if e.get("step_s_median") is None else report.fmt_range(
+                e["step_s_median"], e.get("step_s_low"), e.get("step_s_high"), digits))
+        tiny = [(jobs.get(k) or {}).get("tiny_allreduce_s") for k in ("hvd-idle", "ddp-idle")]
+        cells.append(" / ".join("n/a" if t is None else f"{t * 1e3:.1f}" for t in tiny))
+        rounds = results.get("rounds") or 1
+        lines.append(f"| {title} (`{run}`, {rounds} round{'s' if rounds > 1 else ''}) | "
+                     + " | ".join(cells) + " |")
+    return lines + ["", "Seconds per step: medians over the rounds [interval]."]
+
+
 def _replace(text: str, markers: Tuple[str, str], lines: List[str], path: Path) -> str:
     start, end = markers
     if start not in text or end not in text:
@@ -357,6 +399,7 @@ def main(argv=None) -> int:
     text = args.doc.read_text(encoding="utf-8")
     text = _replace(text, RUNS_MARKERS, sections, args.doc)
     text = _replace(text, TARGETS_MARKERS, targets_table(args.results), args.doc)
+    text = _replace(text, TIME_MARKERS, time_table(args.results), args.doc)
     args.doc.write_text(text, encoding="utf-8")
     print(f"wrote {args.doc}")
     readme = args.readme.read_text(encoding="utf-8")
