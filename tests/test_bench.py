@@ -355,7 +355,7 @@ def test_bench_doc_judges_targets_from_the_intervals(tmp_path, monkeypatch):
     _write(results / "resnet50_100mbit_rerun" / "results.json", _results(figures))
     doc, readme = tmp_path / "benchmarks.md", tmp_path / "README.md"
     doc.write_text("intro\n<!-- targets -->\nold\n<!-- end targets -->\nmiddle\n"
-                   "<!-- runs -->\nold\n<!-- end runs -->\nend\n")
+                   "<!-- runs -->\nold\n<!-- end runs -->\n<!-- time -->\n<!-- end time -->\nend\n")
     readme.write_text("<!-- results in brief -->\n<!-- end results in brief -->\n")
     assert bench_doc.main(["--results", str(results), "--doc", str(doc), "--readme",
                            str(readme), "--img", str(tmp_path / "img")]) == 0
@@ -373,6 +373,8 @@ def test_bench_doc_judges_targets_from_the_intervals(tmp_path, monkeypatch):
     assert "ACP-SGD is faster than S-SGD" in text and "![" in text
     assert (tmp_path / "img" / "bench_resnet50_100mbit.png").exists()
     assert "ResNet-50, 100 Mbit/s, rank 4 | 6 |" in readme.read_text()
+    # "Where the time goes" lists only runs with diagnostics: none here.
+    assert "| run | floor (1 process) |" in text and "(`resnet50_100mbit`" not in text
 
 
 # -------------------------------------------------------- counters, models
