@@ -364,8 +364,8 @@ def time_table(results_dir: Path) -> List[str]:
         cells = []
         for key, _ in columns:
             e = jobs.get(key) or {}
-            cells.append("n/a" if e.get("step_s_median") is None else report.fmt_range(
-                e["step_s_median"], e.get("step_s_low"), e.get("step_s_high"), digits))
+            cells.append(report.fmt_range(e.get("step_s_median"), e.get("step_s_low"),
+                                          e.get("step_s_high"), digits))
         tiny = [(jobs.get(k) or {}).get("tiny_allreduce_s") for k in ("hvd-idle", "ddp-idle")]
         cells.append(" / ".join("n/a" if t is None else f"{t * 1e3:.1f}" for t in tiny))
         rounds = results.get("rounds") or 1
@@ -374,7 +374,7 @@ def time_table(results_dir: Path) -> List[str]:
     return lines + ["", "Seconds per step: medians over the rounds [interval]."]
 
 
-def _replace(text: str, markers: Tuple[str, str], lines: List[str], path: Path) -> str:
+def replace_marked(text: str, markers: Tuple[str, str], lines: List[str], path: Path) -> str:
     start, end = markers
     if start not in text or end not in text:
         raise SystemExit(f"{path}: markers {start} and {end} not found")
@@ -397,13 +397,13 @@ def main(argv=None) -> int:
             continue
         sections += run_section(args.results, run, title, args.img, args.doc)
     text = args.doc.read_text(encoding="utf-8")
-    text = _replace(text, RUNS_MARKERS, sections, args.doc)
-    text = _replace(text, TARGETS_MARKERS, targets_table(args.results), args.doc)
-    text = _replace(text, TIME_MARKERS, time_table(args.results), args.doc)
+    text = replace_marked(text, RUNS_MARKERS, sections, args.doc)
+    text = replace_marked(text, TARGETS_MARKERS, targets_table(args.results), args.doc)
+    text = replace_marked(text, TIME_MARKERS, time_table(args.results), args.doc)
     args.doc.write_text(text, encoding="utf-8")
     print(f"wrote {args.doc}")
     readme = args.readme.read_text(encoding="utf-8")
-    args.readme.write_text(_replace(readme, BRIEF_MARKERS, brief_table(args.results),
+    args.readme.write_text(replace_marked(readme, BRIEF_MARKERS, brief_table(args.results),
                                     args.readme), encoding="utf-8")
     print(f"wrote {args.readme}")
     return 0

@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from bench_doc import replace_marked  # scripts/, beside this file
 from hvd_acp.plan.report import LABELS
 from hvd_acp.plan.timeline import METHODS
 
@@ -82,12 +83,7 @@ def main(argv=None) -> int:
     print(text)
     if args.doc is not None:
         page = args.doc.read_text(encoding="utf-8")
-        start, end = MARKERS
-        if start not in page or end not in page:
-            raise SystemExit(f"{args.doc}: markers {start} and {end} not found")
-        head, rest = page.split(start, 1)
-        args.doc.write_text(head + start + "\n\n" + text + "\n\n" + end + rest.split(end, 1)[1],
-                            encoding="utf-8")
+        args.doc.write_text(replace_marked(page, MARKERS, [text], args.doc), encoding="utf-8")
     return 0
 
 

@@ -29,15 +29,14 @@ from .netem import EmulatedNetwork
 from .rendezvous import rank_commands, start_server
 from .stats import (combine_ranks, machine_busy_s, median_interval, percentile, round_order,
                     summarize_steps)
-from .worker import DIAGNOSTICS, HOROVOD_METHODS, IFACE_ENV
+from .worker import DIAGNOSTICS, HOROVOD_JOBS, IFACE_ENV
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["BenchConfig", "run_benchmark"]
 
 DDP_MASTER_PORT = 29577
-#: Jobs launched like Horovod jobs (horovodrun, or ranks with Gloo rendezvous).
-HVD_LAUNCHED = HOROVOD_METHODS + ("hvd-idle",)
+#: Diagnostics run as independent processes, with no collective library.
 LOCAL_DIAGNOSTICS = ("compute-concurrent", "acp-local")
 #: Above this share of the machine used outside a job, its times are flagged.
 DISTURBED_SHARE = 0.10
@@ -172,14 +171,14 @@ class _Runner:
             return [Command(worker + ["--rank", str(rank)], self._env(), f"rank{rank}")
                     for rank in range(c.np)]
         if net is None:
-            if method in HVD_LAUNCHED:
+            if method in HOROVOD_JOBS:
                 argv = [self._tool("horovodrun"), "-np", str(c.np), "-H",
                         f"localhost:{c.np}", "--gloo"] + worker
                 return [Command(argv, self._env(), "horovodrun")]
             argv = [self._tool("torchrun"), "--standalone", "--nproc-per-node",
                     str(c.np)] + worker[1:]
             return [Command(argv, self._env(), "torchrun")]
-        if method in HVD_LAUNCHED:
+        if method in HOROVOD_JOBS:
             # What horovodrun --gloo sets for each rank (gloo_run.py).
             return rank_commands(net, worker, self._env(), rendezvous_port,
                                  {IFACE_ENV: net.iface})
@@ -213,7 +212,7 @@ class _Runner:
         if log_path.exists():
             log_path.unlink()
         rendezvous = port = None
-        if self.net is not None and method in HVD_LAUNCHED:
+        if self.net is not None and method in HOROVOD_JOBS:
             rendezvous, port = self._start_rendezvous()
         last = [0]
 

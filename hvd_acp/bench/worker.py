@@ -39,6 +39,9 @@ DIAGNOSTICS = ("compute-concurrent", "hvd-idle", "ddp-idle", "acp-local")
 PROBE_CALLS = 20
 #: DDP with a communication hook: torch's ``powerSGD_hook`` or hvd_acp's ``acp_hook``.
 DDP_METHODS = ("powersgd-ddp", "acp-ddp")
+#: Jobs launched like horovodrun's ranks, and like torchrun's (Gloo process group).
+HOROVOD_JOBS = HOROVOD_METHODS + ("hvd-idle",)
+GLOO_JOBS = DDP_METHODS + ("ddp-idle",)
 WORKER_METHODS = HOROVOD_METHODS + DDP_METHODS + ("compute",) + DIAGNOSTICS
 
 
@@ -224,11 +227,11 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     method = args.method
     result: Dict[str, Any] = {"method": method, "pid": os.getpid()}
 
-    if method in HOROVOD_METHODS + ("hvd-idle",):
+    if method in HOROVOD_JOBS:
         import horovod.torch as hvd
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
-    elif method in DDP_METHODS + ("ddp-idle",):
+    elif method in GLOO_JOBS:
         import torch.distributed as dist
         dist.init_process_group("gloo")
         rank, size = dist.get_rank(), dist.get_world_size()
@@ -362,7 +365,9 @@ def probe_tiny_allreduce(method: str, calls: int = PROBE_CALLS) -> List[float]:
     and under Horovod its negotiation and the wait for its cycle. Under
     Horovod every call starts after a pause drawn uniformly from one cycle
     (the same draws on every rank), so the cycle's phase is uniform as in a
-    training step; the planner subtracts the mean wait (half a cycle).
+    training step; the planner subtracts what its timeline predicts for the
+    call (the wait for the cycle, the ring) to find the negotiation
+    (:func:`hvd_acp.plan.validate.latency`).
     """
     x = torch.zeros(1)
     if method == "hvd-idle":
@@ -386,10 +391,10 @@ def probe_tiny_allreduce(method: str, calls: int = PROBE_CALLS) -> List[float]:
 
 
 def _barrier(method: str) -> None:
-    if method in DDP_METHODS + ("ddp-idle",):
+    if method in GLOO_JOBS:
         import torch.distributed as dist
         dist.barrier()
-    elif method in HOROVOD_METHODS + ("hvd-idle",):
+    elif method in HOROVOD_JOBS:
         import horovod.torch as hvd
         hvd.barrier()
 
@@ -404,11 +409,11 @@ def _shutdown(method: str) -> None:
     was written).
     """
     gc.collect()
-    if method in DDP_METHODS + ("ddp-idle",):
+    if method in GLOO_JOBS:
         import torch.distributed as dist
         dist.barrier()
         dist.destroy_process_group()
-    elif method in HOROVOD_METHODS + ("hvd-idle",):
+    elif method in HOROVOD_JOBS:
         import horovod.torch as hvd
         hvd.shutdown()
 

@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import shlex
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -136,6 +137,11 @@ def _read_profile(path: Path) -> dict:
     return profile
 
 
+def _read_link(path: Optional[Path]) -> Optional[dict]:
+    from .link import read_link
+    return None if path is None else read_link(path)
+
+
 def _builtin(args) -> dict:
     from .profile import profile_builtin
     from ..bench.__main__ import DEFAULT_BATCH_SIZE
@@ -194,7 +200,7 @@ def _calibrate_link(args, command: str) -> int:
     for row in link["per_rate"]:
         print(f"{row['rate_mbit']:g} Mbit/s: {row['stack_s_per_byte'] * 1e9:.2f} ns per byte "
               f"sent and received (achieved "
-              f"{sorted(row['achieved_mbit'])[len(row['achieved_mbit']) // 2]:.0f} Mbit/s)")
+              f"{statistics.median(row['achieved_mbit']):.0f} Mbit/s)")
     print(f"wrote {args.out}")
     return 0
 
@@ -232,8 +238,7 @@ def _predict(parser, args, command: str) -> int:
             "gpus_per_node": args.gpus_per_node, "intra_bandwidth_mbit": intra,
             "intra_latency_us": args.intra_latency_us, "host_serial": args.host_serial}
     if args.link_calibration is not None:
-        from .link import read_link
-        opts["link"] = read_link(args.link_calibration)
+        opts["link"] = _read_link(args.link_calibration)
         opts["link_source"] = str(args.link_calibration)
     write_plan(profile, args.out, nps, bws, lats, opts, command=command,
                profile_source=source, plot=not args.no_plot)
@@ -251,10 +256,7 @@ def _validate(args) -> int:
     if missing:
         raise FileNotFoundError(f"benchmark results {', '.join(missing)} not found")
     given = _read_profile(args.profile) if args.profile else None
-    link = None
-    if args.link_calibration is not None:
-        from .link import read_link
-        link = read_link(args.link_calibration)
+    link = _read_link(args.link_calibration)
     cache = {}
     results, text, worst = [], [], 0.0
     for path, bench in benches:

@@ -25,15 +25,17 @@ benchmark's ``--bandwidth``.
 """
 from __future__ import annotations
 
+import math
 import os
 import platform
 import statistics
 import subprocess
 import sys
 import time
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from ..bench.stats import machine_busy_s
+from .profile_format import read_json
 
 __all__ = ["calibrate_link", "LINK_FORMAT", "read_link", "stack_s_per_byte", "BusyMachine"]
 
@@ -41,13 +43,14 @@ LINK_FORMAT = 1
 #: Busy CPUs (of the whole machine) above which the idle interval before
 #: the transfers counts as disturbed: the subtraction would be meaningless.
 MAX_IDLE_BUSY_CPUS = 0.25
+#: Gloo's TCP transport writes a buffer in one go; 4 MiB is a typical fused chunk.
+CHUNK_BYTES = 4 * 1024 * 1024
+PORT = 29471
 
 
 class BusyMachine(RuntimeError):
     """Other work keeps the machine's CPUs busy: the calibration cannot be trusted."""
-#: Gloo's TCP transport writes a buffer in one go; 4 MiB is a typical fused chunk.
-CHUNK_BYTES = 4 * 1024 * 1024
-PORT = 29471
+
 
 _RECEIVER = r"""
 import socket, sys, time
@@ -88,8 +91,8 @@ def _transfer(net, nbytes: int, chunk: int) -> Dict[str, float]:
     try:
         if receiver.stdout.readline().strip() != "ready":
             raise RuntimeError("the receiver of the link calibration did not start")
-        # The sender's interpreter start-up is outside the timed interval only
-        # in part; it is measured alone below and subtracted.
+        # The sender's interpreter start-up falls inside the timed interval;
+        # calibrate_link subtracts it (_startup_busy_s).
         busy0, wall0 = machine_busy_s(), time.monotonic()
         sender = subprocess.run(net.exec_prefix(0) + [sys.executable, "-c", _SENDER, dst,
                                                       str(PORT), str(nbytes), str(chunk)],
@@ -107,12 +110,12 @@ def _transfer(net, nbytes: int, chunk: int) -> Dict[str, float]:
     return {"busy_s": busy1 - busy0, "wall_s": wall1 - wall0}
 
 
-def _startup(net) -> Dict[str, float]:
-    """CPU and wall time of the sender's interpreter doing nothing (subtracted)."""
-    busy0, wall0 = machine_busy_s(), time.monotonic()
+def _startup_busy_s(net) -> float:
+    """CPU time of the sender's interpreter doing nothing (subtracted)."""
+    busy0 = machine_busy_s()
     subprocess.run(net.exec_prefix(0) + [sys.executable, "-c", "import socket, sys"],
                    check=True, timeout=60)
-    return {"busy_s": machine_busy_s() - busy0, "wall_s": time.monotonic() - wall0}
+    return machine_busy_s() - busy0
 
 
 def calibrate_link(rates_mbit: Sequence[float] = (1000.0, 10000.0), nbytes: int = 256 << 20,
@@ -129,7 +132,7 @@ def calibrate_link(rates_mbit: Sequence[float] = (1000.0, 10000.0), nbytes: int 
     per_rate: List[dict] = []
     for rate in rates_mbit:
         with EmulatedNetwork(2, rate) as net:
-            start = statistics.median(_startup(net)["busy_s"] for _ in range(repeats))
+            start = statistics.median(_startup_busy_s(net) for _ in range(repeats))
             runs = [_transfer(net, nbytes, chunk) for _ in range(repeats)]
             values = [max(0.0, r["busy_s"] - start - idle_rate * r["wall_s"]) / nbytes
                       for r in runs]
@@ -148,7 +151,6 @@ def calibrate_link(rates_mbit: Sequence[float] = (1000.0, 10000.0), nbytes: int 
 
 def read_link(path) -> dict:
     """A calibration file written by :func:`calibrate_link`, checked."""
-    from .profile_format import read_json
     data = read_json(path, "link calibration")
     if not isinstance(data, dict):
         data = {}
@@ -160,10 +162,11 @@ def read_link(path) -> dict:
     return data
 
 
-def stack_s_per_byte(link: dict, rate_mbit: float) -> float:
+def stack_s_per_byte(link: Optional[dict], rate_mbit: float) -> float:
     """The calibration at ``rate_mbit``: interpolated on log(rate) between the
-    measured rates, the nearest measured value outside them."""
-    import math
+    measured rates, the nearest measured value outside them; 0 without one."""
+    if not link:
+        return 0.0
     rows = sorted(link.get("per_rate") or [], key=lambda r: r["rate_mbit"])
     if not rows:
         return float(link["stack_s_per_byte"])

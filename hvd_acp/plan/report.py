@@ -73,7 +73,7 @@ def _settings(profile: dict, np: int, bw: float, latency_us: float, opts: dict) 
     net = Network(bandwidth_mbit=bw, latency_s=latency_us * 1e-6,
                   wire_efficiency=opts.get("wire_efficiency") or Network.wire_efficiency,
                   host_s_per_byte=profile.get("host_s_per_byte", 0.0) if host is None else host,
-                  stack_s_per_byte=stack_s_per_byte(link, bw) if link else 0.0,
+                  stack_s_per_byte=stack_s_per_byte(link, bw),
                   gpus_per_node=opts.get("gpus_per_node") or 1,
                   intra_bandwidth_mbit=opts.get("intra_bandwidth_mbit"),
                   intra_latency_s=(opts.get("intra_latency_us") or 0.0) * 1e-6)

@@ -71,8 +71,9 @@ class Settings:
             cycle that runs collectives (0 unless calibrated: the benchmark's
             tiny all-reduce probe, :mod:`.validate`).
         host_serial: the host's work on collectives (``host_s_per_byte``
-            and ``stack_s_per_byte``) has no core of its own and delays computation: it is added to
-            the step instead of lengthening each collective. True where
+            and ``stack_s_per_byte``) has no core of its own and delays
+            computation: it is added to the step instead of lengthening each
+            collective. True where
             every core runs a rank's compute (this machine: 2 ranks on 2
             cores); False where it runs beside it (a GPU node, where the
             host barely takes part anyway).

@@ -32,6 +32,7 @@ measurements.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Optional
@@ -76,7 +77,6 @@ def calibration(bench: dict, profile: dict) -> dict:
 def latency(cal: dict, settings: Settings) -> Settings:
     """``settings`` with the ring's latency and Horovod's negotiation from the
     run's tiny all-reduce probes (see the module docstring)."""
-    import dataclasses
     ranks = settings.np
     alpha = 0.0
     if cal.get("ddp_tiny_allreduce_s") and ranks > 1:
@@ -103,7 +103,7 @@ def validate(bench: dict, profile: dict, calibrate: bool = True,
     net = Network(bandwidth_mbit=rate, latency_s=0.0,
                   wire_efficiency=wire_efficiency or Network.wire_efficiency,
                   host_s_per_byte=profile.get("host_s_per_byte", 0.0),
-                  stack_s_per_byte=stack_s_per_byte(link, rate) if link else 0.0)
+                  stack_s_per_byte=stack_s_per_byte(link, rate))
     cycle_ms = cfg.get("horovod_cycle_time_ms") or 1.0
     # No spare core (every core runs a rank's compute thread): the collectives'
     # host work delays computation instead of running beside it.
