@@ -5,6 +5,7 @@ import contextlib
 import logging
 import numbers
 import os
+import sys
 import warnings
 import weakref
 from collections import OrderedDict
@@ -13,15 +14,51 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from .comm import CommStats, Communicator, HorovodCommunicator
-from .reducer import ACPReducer, check_state_version
-from .stepahead import StepAhead
+from .reducer import ACPReducer
+from .state import check_compression_settings, describe_differences, is_int
+from .stepahead import DEFAULT_STEP_AHEAD, StepAhead, check_step_ahead
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_FUSION_THRESHOLD_BYTES = 25 * 1024 * 1024
-#: Default ``a`` of step-ahead error feedback (see :mod:`hvd_acp.stepahead`).
-DEFAULT_STEP_AHEAD = 0.2
 STATE_KEY = "hvd_acp"
+
+
+def _called_by_broadcast_optimizer_state() -> bool:
+    """Whether Horovod's ``broadcast_optimizer_state`` is on the call stack, a
+    few frames up (it calls ``state_dict()`` and ``step()`` of the optimizer)."""
+    functions = sys.modules.get("horovod.torch.functions")
+    target = getattr(getattr(functions, "broadcast_optimizer_state", None), "__code__", None)
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None or target is None:
+            return False
+        if frame.f_code is target:
+            return True
+        frame = frame.f_back
+    return False
+
+
+class _BroadcastEntry(dict):
+    """The compression state as ``hvd.broadcast_optimizer_state`` sees it.
+
+    That function broadcasts the tensors of every parameter's state and
+    pickles the rest from the root rank, then assigns each value back into
+    the dict it came from. This entry stands in the optimizer state it is
+    given (under a parameter id of its own) with one value, the root's
+    compression state; the assignment hands it to the optimizer on every
+    rank, which adopts it there and then.
+    """
+
+    def __init__(self, optimizer: "DistributedOptimizer", value: dict) -> None:
+        super().__init__(state=value)
+        self._optimizer = weakref.ref(optimizer)
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        optimizer = self._optimizer()
+        if optimizer is not None:
+            optimizer._adopt_broadcast(value)
 
 
 class _LocalStep(torch.optim.Optimizer):
@@ -33,6 +70,7 @@ class _LocalStep(torch.optim.Optimizer):
     """
 
     def step(self, closure=None):  # pylint: disable=arguments-differ
+        self._state_initialized_by_broadcast = True
         if isinstance(self._optimizer, torch.optim.SparseAdam):
             # broadcast_optimizer_state makes the zero gradients of that
             # initialization sparse only where ``isinstance`` shows it a
@@ -185,7 +223,8 @@ class DistributedOptimizer(_LocalStep):
             min_compression_rate=min_compression_rate, warmup_steps=warmup_steps, seed=seed,
             backward_passes_per_step=backward_passes_per_step, groups=explicit_groups,
             sparse_as_dense=sparse_as_dense, name_prefix=self.name_prefix,
-            diagnostics=bool(diagnostics))
+            diagnostics=bool(diagnostics), agree_at_first_step=not elastic)
+        self._state_initialized_by_broadcast = False
         self._step_ahead = StepAhead(self._reducer, optimizer, step_ahead)
         self.backward_passes_per_step = backward_passes_per_step
         self._synchronized = False
@@ -328,6 +367,10 @@ class DistributedOptimizer(_LocalStep):
 
     def step(self, closure=None):
         """Synchronize (unless already done or skipped), update, next phase."""
+        if _called_by_broadcast_optimizer_state():
+            # Its state initialization, run on some ranks only (a subclass
+            # is reached here through super(type(opt), opt).step()).
+            return _LocalStep.step(self, closure)
         if closure is not None:
             raise NotImplementedError(
                 "step(closure) is not supported: a closure re-runs backward, which would "
@@ -366,26 +409,67 @@ class DistributedOptimizer(_LocalStep):
         """The wrapped optimizer's state dict plus an ``"hvd_acp"`` section.
 
         The extra section (phase, step count, factors and this rank's error
-        feedback, keyed by parameter name) is ignored by a plain torch
-        optimizer's ``load_state_dict``.
+        feedback, keyed by parameter name, with the saving rank) is ignored
+        by a plain torch optimizer's ``load_state_dict``.
+
+        ``hvd.broadcast_optimizer_state`` gets a view that carries the
+        compression state among the optimizer state it broadcasts, so that
+        every rank leaves it with the root's step count, phase and factors
+        (see :meth:`_adopt_broadcast`).
         """
         state = self._optimizer.state_dict()
+        if _called_by_broadcast_optimizer_state():
+            # While the wrapped state is empty, Horovod first initializes it
+            # with a local step on the ranks that have none, then asks again;
+            # the entry joins in once there is state to broadcast, or once
+            # that step shows the optimizer keeps none, so that every rank
+            # broadcasts the same entries.
+            if state["state"] or self._state_initialized_by_broadcast:
+                self._state_initialized_by_broadcast = False
+                value = {"rank": self._comm.rank(),
+                         "state": self._reducer.state_dict(with_error=False)}
+                state["state"][STATE_KEY] = _BroadcastEntry(self, value)
+                state["param_groups"][-1]["params"].append(STATE_KEY)
+            return state
         state[STATE_KEY] = self._reducer.state_dict()
         return state
+
+    def _adopt_broadcast(self, value: dict) -> None:
+        """Take the root's compression state from ``hvd.broadcast_optimizer_state``.
+
+        Every rank leaves with the root's step count (hence phase and warm-up
+        position) and factors. The root keeps its residual; the other ranks
+        start theirs from zero: a residual is one rank's unsent gradient, and
+        the others' were not in the root's checkpoint.
+        """
+        if not self._comm.included() or value["rank"] == self._comm.rank():
+            return
+        self._step_ahead.restore(warn=False)
+        self._reducer.load_state_dict(value["state"], reset_error_feedback=True)
+        self._step_ahead.after_step()
 
     def load_state_dict(self, state_dict: dict, reset_error_feedback: bool = False) -> None:
         """Load a state dict of this class or of the plain wrapped optimizer.
 
+        Any rank may load any rank's file: factors, step count and phase are
+        loaded as saved, and a residual only on the rank that saved it (the
+        others start theirs from zero). Load on every rank, or on the root
+        rank followed by ``hvd.broadcast_optimizer_state`` on every rank.
+
         Args:
             state_dict: from :meth:`state_dict`, or from a torch optimizer (then
                 the compression state is left as it is).
-            reset_error_feedback: zero the error-feedback residuals instead of
-                loading them: use it when every rank loads rank 0's file.
+            reset_error_feedback: start every residual from zero, this
+                rank's own included.
+
+        Raises:
+            ValueError: the compression section does not match this
+                optimizer (format, parameters, shapes); nothing is loaded.
         """
         state_dict = dict(state_dict)
         acp_state = state_dict.pop(STATE_KEY, None)
         if acp_state is not None:       # before anything is loaded: all or nothing
-            check_state_version(acp_state, reset_error_feedback)
+            self._reducer.state.check_state_dict(acp_state)
         self._step_ahead.restore(warn=False)
         self._optimizer.load_state_dict(state_dict)
         if acp_state is not None:
@@ -402,28 +486,6 @@ def _release(reducer: ACPReducer, step_ahead: StepAhead) -> None:
 
 
 # ---------------------------------------------------------------- validation
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def check_compression_settings(matrix_rank, min_compression_rate, warmup_steps, seed,
-                               step_ahead) -> None:
-    """The checks of ACP-SGD's own settings, shared by every front end."""
-    if not _is_int(matrix_rank) or matrix_rank < 1:
-        raise ValueError(f"matrix_rank must be a positive int, got {matrix_rank!r}")
-    if (not isinstance(min_compression_rate, numbers.Real)
-            or isinstance(min_compression_rate, bool) or not min_compression_rate >= 0):
-        raise ValueError("min_compression_rate must be a number >= 0, got "
-                         f"{min_compression_rate!r}")
-    if not _is_int(warmup_steps) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
-    if not _is_int(seed):
-        raise TypeError(f"seed must be an int, got {seed!r}")
-    if (not isinstance(step_ahead, numbers.Real) or isinstance(step_ahead, bool)
-            or not step_ahead >= 0 or step_ahead == float("inf")):
-        raise ValueError(f"step_ahead must be a finite number >= 0, got {step_ahead!r}")
-
-
 def _validate(optimizer, named_parameters, compression, backward_passes_per_step, op,
               gradient_predivide_factor, num_groups, groups, sparse_as_dense, matrix_rank,
               fusion_threshold_bytes, min_compression_rate, warmup_steps, seed,
@@ -434,18 +496,18 @@ def _validate(optimizer, named_parameters, compression, backward_passes_per_step
                         f"{type(optimizer).__name__}")
     if isinstance(optimizer, DistributedOptimizer):
         raise TypeError("optimizer is already an hvd_acp.DistributedOptimizer")
-    check_compression_settings(matrix_rank, min_compression_rate, warmup_steps, seed,
-                               step_ahead)
-    if not _is_int(backward_passes_per_step) or backward_passes_per_step < 1:
+    check_compression_settings(matrix_rank, min_compression_rate, warmup_steps, seed)
+    check_step_ahead(step_ahead)
+    if not is_int(backward_passes_per_step) or backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be a positive int, got "
                          f"{backward_passes_per_step!r}")
-    if not _is_int(fusion_threshold_bytes) or fusion_threshold_bytes < 0:
+    if not is_int(fusion_threshold_bytes) or fusion_threshold_bytes < 0:
         raise ValueError("fusion_threshold_bytes must be an int >= 0, got "
                          f"{fusion_threshold_bytes!r}")
     if not isinstance(gradient_predivide_factor, numbers.Real) or gradient_predivide_factor <= 0:
         raise ValueError("gradient_predivide_factor must be a number > 0, got "
                          f"{gradient_predivide_factor!r}")
-    if not _is_int(num_groups) or num_groups < 0:
+    if not is_int(num_groups) or num_groups < 0:
         raise ValueError(f"num_groups must be an int >= 0, got {num_groups!r}")
     if num_groups and groups is not None:
         raise ValueError("num_groups and groups cannot both be set")
@@ -544,9 +606,7 @@ def _describe_mismatch(rank: int, reference, other) -> str:
     ref_params, ref_settings = reference
     params, settings = other
     if ref_settings != settings:
-        differing = "; ".join(
-            f"{key}={value!r} on rank 0 but {settings[key]!r} on rank {rank}"
-            for key, value in ref_settings.items() if settings[key] != value)
+        differing = describe_differences(ref_settings, settings, rank)
         return (f"hvd_acp settings differ between ranks: {differing}; pass the same "
                 "arguments on every rank")
     ref_map, other_map = dict((n, s) for n, *s in ref_params), dict((n, s) for n, *s in params)

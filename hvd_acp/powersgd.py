@@ -20,8 +20,7 @@ from typing import Optional
 
 from torch import Tensor
 
-from .compression import (Phase, compress_, local_residual_, orthonormalize_, project_,
-                          reconstruct_)
+from .compression import Phase, orthonormalize_
 from .optimizer import DistributedOptimizer
 from .reducer import ACPReducer, _Round
 
@@ -45,9 +44,10 @@ class PowerSGDReducer(ACPReducer):
         # Power-SGD multiplies by the previous Q as it is (warm start).
         self._bases_phase = self.phase
 
-    def _compress(self, phase: Phase, name: str, matrix: Optional[Tensor], out: Tensor) -> None:
-        # error now holds A = M + E; P_i = A Q.
-        compress_(matrix, self.errors[name], self.q_factors[name], out)
+    def _compress(self, phase: Phase, name: str, grad: Optional[Tensor], out: Tensor) -> None:
+        # P_i = A Q with A = M + E; the residual waits for the second projection.
+        tensor = self.state.tensors[name]
+        tensor.compress_(Phase.P, grad, tensor.q, out, residual=False)
 
     def _complete(self, rnd: _Round) -> None:
         if rnd.phase is Phase.DENSE:
@@ -58,14 +58,14 @@ class PowerSGDReducer(ACPReducer):
             self.comm.synchronize(rnd.handles[b_index])
         started = time.perf_counter()
         nonfinite = self._nonfinite_slots(rnd)
+        tensors = self.state.tensors
         compressed = []
         for bucket in rnd.buckets:
             for slot in bucket.slots:
-                lay = self.layouts[slot.name]
                 if slot.name in rnd.sparse:
                     continue                       # sent apart, see ACPReducer._take
-                if lay.compressed:
-                    self.p_factors[slot.name].copy_(self._slot_view(rnd, slot.name))
+                if slot.name in tensors:
+                    tensors[slot.name].commit_(Phase.P, self._slot_view(rnd, slot.name))
                     compressed.append(slot.name)
                 else:
                     self._write_grad(rnd, slot.name)
@@ -73,13 +73,12 @@ class PowerSGDReducer(ACPReducer):
             self._count_nonfinite(nonfinite)
             self.compression_seconds += time.perf_counter() - started
             return
-        orthonormalize_(self.p_factors[name] for name in compressed)
+        orthonormalize_(tensors[name].p for name in compressed)           # Ph = orth(P)
         buckets, buffers = self._plan(Phase.Q, tuple(compressed))
         second = _Round(Phase.Q, buckets, buffers)
         for name in compressed:
-            q_local = self._slot_view(second, name)
-            project_(self.errors[name].t(), self.p_factors[name], q_local)   # Q_i = A^T Ph
-            local_residual_(self.errors[name].t(), q_local, self.p_factors[name])
+            # Q_i = A^T Ph, E = A - Ph Q_i^T: the ACP-SGD Q step on A.
+            tensors[name].compress_(Phase.Q, None, tensors[name].p, self._slot_view(second, name))
         handles = [self.comm.allreduce_async_(buf, b.name) for b, buf in zip(buckets, buffers)]
         waited = time.perf_counter()
         for handle in handles:
@@ -89,12 +88,11 @@ class PowerSGDReducer(ACPReducer):
         nonfinite |= self._nonfinite_slots(second)
         self._count_nonfinite(nonfinite)
         for name in compressed:
-            lay, param = self.layouts[name], self.params[name]
+            lay, param, tensor = self.layouts[name], self.params[name], tensors[name]
             q = self._slot_view(second, name)
-            if name not in nonfinite:
-                q = self.q_factors[name].copy_(q)             # warm start of the next step
             matrix, direct = self._grad_target(lay, param)
-            reconstruct_(matrix, self.p_factors[name], q)     # G = Ph Q^T
+            # G = Ph Q^T; Q is the warm start of the next step unless non-finite.
+            tensor.apply_(Phase.Q, q, tensor.p, matrix, commit=name not in nonfinite)
             self.written_norm2 += float(q.double().pow(2).sum())   # ||G|| = ||Q||
             if not direct:
                 param.grad.copy_(matrix.view(param.grad.shape))

@@ -33,17 +33,12 @@ import torch
 from torch import Tensor
 
 from .comm import Communicator
+from .compression import Phase, phase_of
 from .diagnostics import StepRecord, subspace_turn
-from .compression import (Phase, compress_, compute_dtype, init_factor, local_residual_,
-                          orthonormalize_, phase_of, reconstruct_)
-from .fusion import Bucket, TensorLayout, make_layouts, plan_buckets
+from .fusion import Bucket, TensorLayout, plan_buckets
+from .state import CompressionState, nonfinite_names
 
 logger = logging.getLogger(__name__)
-
-#: 2: residuals in the local form E = A - P_i B^T (1: E = A - share * G).
-STATE_FORMAT_VERSION = 2
-
-
 
 class _Round:
     """Bookkeeping of one communication round (one optimizer step)."""
@@ -82,6 +77,14 @@ class ACPReducer:
         name_prefix: first component of the all-reduce names.
         diagnostics: record one :class:`~hvd_acp.diagnostics.StepRecord` per
             step in :attr:`diagnostics` (costs a few passes per gradient).
+        agree_at_first_step: check with one small collective, at the first
+            step, that every rank starts from the same compression state
+            (off for elastic jobs, whose workers join at any step and are
+            synchronized by Horovod's state handler instead).
+
+    Attributes:
+        state: the :class:`~hvd_acp.state.CompressionState` (factors,
+            residuals, step count), keyed by parameter name.
     """
 
     def __init__(self, named_parameters: Sequence[Tuple[str, Tensor]],
@@ -91,17 +94,14 @@ class ACPReducer:
                  backward_passes_per_step: int = 1,
                  groups: Optional[Sequence[Sequence[str]]] = None,
                  sparse_as_dense: bool = False, name_prefix: str = "hvd_acp",
-                 diagnostics: bool = False):
+                 diagnostics: bool = False, agree_at_first_step: bool = True):
         self.params: Dict[str, Tensor] = dict(named_parameters)
         self.comm = communicator
-        self.matrix_rank = matrix_rank
         self.fusion_threshold_bytes = fusion_threshold_bytes
-        self.warmup_steps = warmup_steps
         self.backward_passes_per_step = backward_passes_per_step
         self.groups = [list(g) for g in groups] if groups else None
         self.sparse_as_dense = sparse_as_dense
         self.name_prefix = name_prefix
-        self.step_count = 0
         #: Seconds spent in compression maths (hooks, orthonormalization,
         #: reconstruction) since construction; benchmarks read it.
         self.compression_seconds = 0.0
@@ -127,24 +127,18 @@ class ACPReducer:
                 "supported: wrap each device's parameters in its own DistributedOptimizer")
         self.device = devices.pop() if devices else torch.device("cpu")
 
-        self.layouts: Dict[str, TensorLayout] = {
-            lay.name: lay for lay in make_layouts(
-                [(n, tuple(p.shape), p.dtype) for n, p in self.params.items()],
-                matrix_rank, min_compression_rate, payload_dtype=compute_dtype)}
-
-        # Factors are drawn from a dedicated generator in registration order:
-        # identical on every rank, and the user's global RNG is untouched.
-        generator = torch.Generator().manual_seed(seed)
-        self.p_factors: Dict[str, Tensor] = {}
-        self.q_factors: Dict[str, Tensor] = {}
-        self.errors: Dict[str, Tensor] = {}
+        # Initial factors drawn in registration order from the state's own
+        # generator: identical on every rank, the user's global RNG untouched.
+        self.state = CompressionState(matrix_rank=matrix_rank,
+                                      min_compression_rate=min_compression_rate,
+                                      warmup_steps=warmup_steps, seed=seed)
+        for name, param in self.params.items():
+            self.state.add(name, param.shape, param.dtype, self.device)
         self._bases: Dict[str, Tensor] = {}
-        for name, lay in self.layouts.items():
-            if not lay.compressed:
-                continue
-            self.q_factors[name] = init_factor(lay.m, lay.r, generator, lay.dtype, self.device)
-            self.p_factors[name] = init_factor(lay.n, lay.r, generator, lay.dtype, self.device)
-            self.errors[name] = torch.zeros(lay.n, lay.m, dtype=lay.dtype, device=self.device)
+        #: Whether the first-step check of the state across ranks is still owed.
+        self._agreement_owed = agree_at_first_step and self.included
+        #: Where this rank's state came from, for that check's error message.
+        self._origin = "fresh"
 
         self._plans: Dict[Tuple[Phase, Tuple[str, ...]], List[Bucket]] = {}
         self._buffers: Dict[Tuple[Phase, Tuple[str, ...]], List[Tensor]] = {}
@@ -155,11 +149,41 @@ class ACPReducer:
         self._closed = False
         self.register_hooks()
 
-    # ------------------------------------------------------------------ phase
+    # ------------------------------------------------------------------ state
+    @property
+    def step_count(self) -> int:
+        """Steps (communication rounds) completed."""
+        return self.state.step_count
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.state.warmup_steps
+
+    @property
+    def matrix_rank(self) -> int:
+        return self.state.matrix_rank
+
+    @property
+    def layouts(self) -> Dict[str, TensorLayout]:
+        return self.state.layouts
+
+    @property
+    def errors(self) -> Dict[str, Tensor]:
+        """name -> this rank's residual, for every compressed parameter."""
+        return self.state.errors
+
+    @property
+    def p_factors(self) -> Dict[str, Tensor]:
+        return self.state.p_factors
+
+    @property
+    def q_factors(self) -> Dict[str, Tensor]:
+        return self.state.q_factors
+
     @property
     def phase(self) -> Phase:
         """Phase of the current step, derived from ``step_count``."""
-        return phase_of(self.step_count, self.warmup_steps)
+        return phase_of(self.state.step_count, self.state.warmup_steps)
 
     def _prepare_bases(self) -> None:
         """Orthonormalize the reused factor of every compressed tensor.
@@ -171,17 +195,11 @@ class ACPReducer:
         if self._bases_phase is phase:
             return
         if phase is not Phase.DENSE:
-            source = self.q_factors if phase is Phase.P else self.p_factors
-            for name, factor in source.items():
-                basis = self._bases.get(name)
-                if basis is None or basis.shape != factor.shape:
-                    basis = self._bases[name] = torch.empty_like(factor)
-                basis.copy_(factor)
             started = time.perf_counter()
-            orthonormalize_(self._bases[name] for name in source)
+            self.state.orthonormal_bases(phase, self.state.tensors, out=self._bases)
             self.compression_seconds += time.perf_counter() - started
             if self.diagnostics is not None:
-                self._record_bases(phase, source)
+                self._record_bases(phase, self.state.tensors)
         self._bases_phase = phase
 
     def _record_bases(self, phase: Phase, names) -> None:
@@ -278,6 +296,8 @@ class ACPReducer:
 
     def _open_round(self) -> _Round:
         if self._round is None:
+            if self._agreement_owed:
+                self._agree_on_state()
             self.register_hooks()
             self._prepare_bases()
             phase = self._round_phase()
@@ -303,9 +323,8 @@ class ACPReducer:
         lay = self.layouts[name]
         out = self._slot_view(rnd, name)
         if lay.compressed and rnd.phase is not Phase.DENSE and name not in rnd.sparse:
-            matrix = None if grad is None else grad.reshape(lay.n, lay.m).to(lay.dtype)
             started = time.perf_counter()
-            self._compress(rnd.phase, name, matrix, out)
+            self._compress(rnd.phase, name, grad, out)
             self.compression_seconds += time.perf_counter() - started
         elif grad is None:
             out.zero_()
@@ -321,21 +340,38 @@ class ACPReducer:
         rnd.handles[b_index] = self.comm.allreduce_async_(
             rnd.buffers[b_index], rnd.buckets[b_index].name)
 
-    def _compress(self, phase: Phase, name: str, matrix: Optional[Tensor], out: Tensor) -> None:
+    def _compress(self, phase: Phase, name: str, grad: Optional[Tensor], out: Tensor) -> None:
         """This rank's factor of ``name`` into ``out``, with error feedback.
 
         Args:
             phase: P or Q.
-            matrix: shape (n, m), the gradient, or None for a zero gradient.
+            grad: the gradient (any shape with n * m elements), or None for zero.
             out: shape (n, r) for P, (m, r) for Q; a view into a fused buffer.
         """
-        error, basis = self.errors[name], self._bases[name]
-        if phase is Phase.Q:
-            matrix, error = (None if matrix is None else matrix.t()), error.t()
-        compress_(matrix, error, basis, out)          # A = M + E, out = A B
-        if self._record is not None:
-            self._record.add_compressed(matrix, error, out)
-        local_residual_(error, out, basis)            # E = A - out B^T
+        self.state.tensors[name].compress_(phase, grad, self._bases[name], out,
+                                           record=self._record)
+
+    def _agree_on_state(self) -> None:
+        """Check, once, that every rank starts from the same compression state.
+
+        Run at the first step on every rank (one small all-gather), so that a
+        checkpoint loaded on some ranks only raises on all of them instead of
+        leaving them in different phases, whose all-reduces never match.
+        """
+        self._agreement_owed = False
+        step_count, factor_sum = self.state.fingerprint()
+        gathered = self.comm.allgather_object((step_count, factor_sum, self._origin),
+                                              name=f"{self.name_prefix}.first_step")
+        if all(entry[:2] == gathered[0][:2] for entry in gathered):
+            return
+        described = "; ".join(f"rank {rank} at step {entry[0]} ({entry[2]})"
+                              for rank, entry in enumerate(gathered))
+        raise RuntimeError(
+            "hvd_acp: the ranks start training from different compression states: "
+            f"{described}. A checkpoint was loaded on some ranks only. Load it on every "
+            "rank, or load it on the root rank and then call "
+            "hvd.broadcast_optimizer_state(optimizer, root_rank=0) on every rank, as "
+            "Horovod's examples do")
 
     def synchronize(self) -> None:
         """Finish the round: all-reduce everything, write ``p.grad``, flip phase.
@@ -360,7 +396,7 @@ class ACPReducer:
         if self._record is not None:
             self.diagnostics.append(self._record.as_dict())
             self._record = None
-        self.step_count += 1
+        self.state.step_count += 1
         self.register_hooks()
 
     def applied_scale(self) -> float:
@@ -424,23 +460,18 @@ class ACPReducer:
         """Names whose averaged payload holds inf or NaN (e.g. an fp16 overflow).
 
         The averaged buffers are identical on every rank, so every rank finds
-        the same names and repairs the same state: the factor keeps its
-        previous value and the residual restarts from zero. The non-finite
-        gradient still reaches ``p.grad``, where a ``GradScaler`` sees it and
-        skips the step.
+        the same names and repairs the same state (the caller: the factor
+        keeps its previous value and the residual restarts from zero). The
+        non-finite gradient still reaches ``p.grad``, where a ``GradScaler``
+        sees it and skips the step.
         """
         bad = set()
         for b_index in range(len(rnd.buckets)) if indices is None else indices:
             bucket, buffer = rnd.buckets[b_index], rnd.buffers[b_index]
-            if bool(torch.isfinite(buffer).all()):
-                continue
-            for slot in bucket.slots:
-                view = buffer[slot.offset:slot.offset + slot.numel]
-                if not bool(torch.isfinite(view).all()):
-                    bad.add(slot.name)
-        for name in bad:
-            if name in self.errors:
-                self.errors[name].zero_()
+            if not bool(torch.isfinite(buffer).all()):
+                bad.update(nonfinite_names(
+                    (slot.name, buffer[slot.offset:slot.offset + slot.numel])
+                    for slot in bucket.slots))
         return bad
 
     def _grad_target(self, lay: TensorLayout, param: Tensor) -> Tuple[Tensor, bool]:
@@ -466,18 +497,11 @@ class ACPReducer:
         lay, param = self.layouts[name], self.params[name]
         averaged = self._slot_view(rnd, name)
         if lay.compressed and rnd.phase is not Phase.DENSE:
-            factor = averaged
-            if commit:
-                factor = self.p_factors[name] if rnd.phase is Phase.P else self.q_factors[name]
-                factor.copy_(averaged)
+            tensor = self.state.tensors[name]
             matrix, direct = self._grad_target(lay, param)
-            basis = self._bases[name]
-            if rnd.phase is Phase.P:
-                reconstruct_(matrix, factor, basis)         # G = P Qh^T
-            else:
-                reconstruct_(matrix, basis, factor)         # G = Ph Q^T
+            tensor.apply_(rnd.phase, averaged, self._bases[name], matrix, commit)
             if self._record is not None:
-                self._record.add_feedback(matrix, self.errors[name])
+                self._record.add_feedback(matrix, tensor.error)
             if not direct:
                 param.grad.copy_(matrix.view(param.grad.shape))
             # ||G|| = ||averaged factor|| (the basis is orthonormal): what was
@@ -505,87 +529,36 @@ class ACPReducer:
         for name in self._passes:
             self._passes[name] = 0
 
-    # ------------------------------------------------------------------ state
+    # ------------------------------------------------------------- checkpoint
     def wire_elements(self, phase: Phase) -> int:
         """Elements one rank sends in a step of ``phase`` (all tensors active)."""
-        return sum(lay.payload_numel(phase) for lay in self.layouts.values())
+        return self.state.wire_elements(phase)
 
     def state_dict(self, with_error: bool = True) -> dict:
-        """Compression state of this rank, keyed by parameter name.
+        """Compression state of this rank (see :meth:`.CompressionState.state_dict`).
 
         Args:
             with_error: include this rank's error-feedback residuals.
         """
-        return {
-            "version": STATE_FORMAT_VERSION,
-            "step_count": self.step_count,
-            "phase": self.phase.value,
-            "warmup_steps": self.warmup_steps,
-            "matrix_rank": self.matrix_rank,
-            "world_size": self.comm.size(),
-            "rank": self.comm.rank(),
-            "params": {
-                name: dict({"P": self.p_factors[name].clone(),
-                            "Q": self.q_factors[name].clone()},
-                           **({"error": self.errors[name].clone()} if with_error else {}))
-                for name in self.errors},
-        }
+        return self.state.state_dict(rank=self.comm.rank(), world_size=self.comm.size(),
+                                     with_error=with_error)
 
     def load_state_dict(self, state: dict, reset_error_feedback: bool = False) -> None:
-        """Restore :meth:`state_dict` output.
+        """Restore :meth:`state_dict` output of this rank or another one.
+
+        A residual is installed only on the rank that saved it (see
+        :meth:`.CompressionState.load_state_dict`).
 
         Args:
-            state: as returned by :meth:`state_dict` (possibly another rank's).
-            reset_error_feedback: set every residual to zero instead of
-                loading it (the residual is rank-local; see the README).
+            state: as returned by :meth:`state_dict`.
+            reset_error_feedback: start every residual from zero.
         """
-        check_state_version(state, reset_error_feedback)
-        saved = state["params"]
-        missing = sorted(set(self.errors) - set(saved))
-        unexpected = sorted(set(saved) - set(self.errors))
-        if missing or unexpected:
-            raise ValueError(f"hvd_acp state does not match the parameters: missing "
-                             f"{missing}, unexpected {unexpected}")
-        for name, entry in saved.items():
-            load_entry(name, entry, {"P": self.p_factors[name], "Q": self.q_factors[name],
-                                     "error": self.errors[name]}, reset_error_feedback)
-        self.step_count = int(state["step_count"])
+        self.state.load_state_dict(state, rank=self.comm.rank(),
+                                   reset_error_feedback=reset_error_feedback)
+        self._origin = (f"loaded from a checkpoint of step {self.state.step_count} saved by "
+                        f"rank {state.get('rank')}")
         self.discard_round()
         self._bases_phase = None
 
     def reset_error_feedback(self) -> None:
-        for error in self.errors.values():
-            error.zero_()
-
-
-def load_entry(name: str, entry: dict, targets: Dict[str, Tensor],
-               reset_error_feedback: bool) -> None:
-    """Copy one parameter's saved ``P``, ``Q`` and ``error`` into ``targets``
-    (the same keys), checking shapes; the residual restarts from zero instead
-    when ``reset_error_feedback`` is set or the entry has none."""
-    for key, target in targets.items():
-        if key == "error" and (reset_error_feedback or key not in entry):
-            target.zero_()
-            continue
-        value = entry[key]
-        if tuple(value.shape) != tuple(target.shape):
-            raise ValueError(
-                f"hvd_acp state for {name!r}: {key} has shape {tuple(value.shape)}, "
-                f"expected {tuple(target.shape)} (different matrix_rank or model?)")
-        target.copy_(value)
-
-
-def check_state_version(state: dict, reset_error_feedback: bool) -> None:
-    """Raise ``ValueError`` unless :meth:`ACPReducer.load_state_dict` can load ``state``."""
-    version = state.get("version")
-    if version == 1 and not reset_error_feedback:
-        raise ValueError(
-            "this hvd_acp checkpoint has state format 1, whose error-feedback residuals "
-            "were taken against the averaged gradient; this version keeps each rank's "
-            "own unsent part (format 2), so they cannot be resumed as they are. Load it "
-            "with load_state_dict(..., reset_error_feedback=True): factors, phase and "
-            "step count are kept and the residuals restart from zero")
-    if version not in (1, STATE_FORMAT_VERSION):
-        raise ValueError(f"unsupported hvd_acp state format version {version!r}; "
-                         f"this version reads {STATE_FORMAT_VERSION} (and 1 with "
-                         "reset_error_feedback=True)")
+        self.state.reset_error_feedback()

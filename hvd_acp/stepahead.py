@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import numbers
 import weakref
 from typing import Dict, Optional, Tuple
 
@@ -37,7 +38,17 @@ from .compression import step_ahead_shift
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StepAhead"]
+__all__ = ["DEFAULT_STEP_AHEAD", "StepAhead", "check_step_ahead", "eventual_step"]
+
+#: Default ``a`` of step-ahead error feedback, in both front ends.
+DEFAULT_STEP_AHEAD = 0.2
+
+
+def check_step_ahead(step_ahead) -> None:
+    """Raise ``ValueError`` unless ``step_ahead`` is a finite number >= 0."""
+    if (not isinstance(step_ahead, numbers.Real) or isinstance(step_ahead, bool)
+            or not step_ahead >= 0 or step_ahead == float("inf")):
+        raise ValueError(f"step_ahead must be a finite number >= 0, got {step_ahead!r}")
 
 
 def _adaptive_denom(state: dict, group: dict) -> Optional[Tensor]:

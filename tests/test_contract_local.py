@@ -150,24 +150,29 @@ def test_loading_a_checkpoint_of_another_model_names_the_problem():
         wrap(make_model(1)).load_state_dict(state)
 
 
-def test_a_format_1_checkpoint_loads_only_with_its_residuals_reset():
-    # Format 1 kept residuals against the averaged gradient; format 2 keeps
-    # each rank's own unsent part: the old residuals cannot be resumed.
+def test_a_compression_section_that_cannot_load_loads_nothing():
+    # An unknown format or factors of another shape raise before the wrapped
+    # optimizer's state is touched: nothing half-loaded.
     model = make_model()
     opt = wrap(model)
     loss_of(model).backward()
     opt.step()
-    state = copy.deepcopy(opt.state_dict())
-    state["hvd_acp"]["version"] = 1
+    saved = copy.deepcopy(opt.state_dict())
+    saved["param_groups"][0]["lr"] = 0.5
     other = wrap(make_model(1))
     lr_before = other.param_groups[0]["lr"]
-    state["param_groups"][0]["lr"] = 0.5
-    with pytest.raises(ValueError, match="format 1.*reset_error_feedback=True"):
-        other.load_state_dict(state)
-    assert other.param_groups[0]["lr"] == lr_before        # nothing half-loaded
-    other.load_state_dict(state, reset_error_feedback=True)
-    assert other.step_count == 1
-    assert all(e.abs().max() == 0 for e in other.reducer.errors.values())
+    unknown = copy.deepcopy(saved)
+    unknown["hvd_acp"]["version"] = 1
+    with pytest.raises(ValueError, match="unsupported hvd_acp state format version 1"):
+        other.load_state_dict(unknown)
+    reshaped = copy.deepcopy(saved)
+    name = next(iter(reshaped["hvd_acp"]["params"]))
+    reshaped["hvd_acp"]["params"][name]["Q"] = torch.zeros(3, 1)
+    with pytest.raises(ValueError, match=f"{name!r}: Q has shape \\(3, 1\\)"):
+        other.load_state_dict(reshaped)
+    assert other.param_groups[0]["lr"] == lr_before and other.step_count == 0
+    other.load_state_dict(saved)
+    assert other.param_groups[0]["lr"] == 0.5 and other.step_count == 1
     for name, factor in opt.reducer.p_factors.items():
         assert torch.equal(other.reducer.p_factors[name], factor)
 

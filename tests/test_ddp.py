@@ -70,7 +70,7 @@ def test_phase_follows_warmup_and_step_count():
     state = hvd_acp.ddp.ACPState(warmup_steps=2)
     phases = []
     for step_count in range(5):
-        state.step_count = step_count
+        state.compression.step_count = step_count
         phases.append(state.phase)
     assert phases == [Phase.DENSE, Phase.DENSE, Phase.P, Phase.Q, Phase.P]
 
@@ -100,13 +100,8 @@ def test_named_state_round_trip_and_mismatches():
     other.load_state_dict(saved, reset_error_feedback=True)
     assert not other.state_dict()["params"]["fc1.weight"]["error"].any()
 
-    with pytest.raises(ValueError, match="unsupported hvd_acp state format version"):
+    with pytest.raises(ValueError, match="unsupported hvd_acp state format version 99"):
         other.load_state_dict(dict(saved, version=99))
-    # Format 1 held residuals against the averaged gradient: factors only.
-    with pytest.raises(ValueError, match="state format 1.*reset_error_feedback=True"):
-        other.load_state_dict(dict(saved, version=1))
-    other.load_state_dict(dict(saved, version=1), reset_error_feedback=True)
-    assert not other.state_dict()["params"]["fc1.weight"]["error"].any()
     wider = hvd_acp.ddp.ACPState(matrix_rank=3, min_compression_rate=0,
                                   named_parameters=net.named_parameters())
     with pytest.raises(ValueError, match=r"P has shape \(16, 2\), expected \(16, 3\)"):
@@ -116,17 +111,26 @@ def test_named_state_round_trip_and_mismatches():
         other.load_state_dict(renamed)
 
 
-def test_names_from_the_optimizer_and_step_ahead_switch():
+def test_names_from_the_optimizer_given_or_attached():
     net = Net()
     opt = torch.optim.SGD([{"params": [net.fc1.weight, net.fc1.bias]},
                            {"params": [net.fc2.weight, net.fc2.bias]}], lr=0.1, momentum=0.9)
-    state = hvd_acp.ddp.ACPState(matrix_rank=2, optimizer=opt)
-    assert sorted(state.state_dict()["params"]) == ["group.0.0", "group.1.0"]
-    assert state.step_ahead == 0.2
-    assert hvd_acp.ddp.ACPState(optimizer=opt, step_ahead=0).step_ahead == 0
-    # Without the optimizer there is nothing to shift with.
-    assert hvd_acp.ddp.ACPState(step_ahead=0.5).step_ahead == 0
-    state.close()
+    given = hvd_acp.ddp.ACPState(matrix_rank=2, optimizer=opt)
+    assert sorted(given.state_dict()["params"]) == ["group.0.0", "group.1.0"]
+    assert given.step_ahead == 0.2 and given.optimizer is opt
+    given.close()
+    # Frameworks build the comm state before the optimizer: attach it later,
+    # with the same names and factors as if it had been given.
+    attached = hvd_acp.ddp.ACPState(matrix_rank=2)
+    attached.attach_optimizer(opt)
+    for name, entry in attached.state_dict()["params"].items():
+        torch.testing.assert_close(entry["Q"], given.state_dict()["params"][name]["Q"],
+                                   rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="has an optimizer already"):
+        attached.attach_optimizer(opt)
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        hvd_acp.ddp.ACPState().attach_optimizer(net)
+    attached.close()
 
 
 def test_ddp_hook_imports_and_trains_without_horovod(tmp_path):
@@ -144,6 +148,7 @@ def test_ddp_hook_imports_and_trains_without_horovod(tmp_path):
         model = torch.nn.parallel.DistributedDataParallel(net)
         model.register_comm_hook(state, hvd_acp.ddp.acp_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        state.attach_optimizer(opt)     # after DDP, as frameworks do
         for step in range(4):
             x = torch.randn(5, 8)
             ref.load_state_dict(net.state_dict())

@@ -164,7 +164,7 @@ def case_replicas(_):
     flips once per iteration (several buckets), so each iteration sends the
     P or the Q payload of the whole model."""
     model_module = build(Mixed)
-    state = hvd_acp.ddp.ACPState(matrix_rank=2, seed=3)
+    state = hvd_acp.ddp.ACPState(matrix_rank=2, seed=3, step_ahead=0)
     # A small cap: several buckets, rebuilt after the first iteration.
     model = ddp(model_module, state, bucket_cap_mb=0.002)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -190,7 +190,7 @@ def case_replicas(_):
 def case_full_rank(_):
     """Full rank, min_compression_rate=0, square matrices: the hook's averaged
     gradients equal plain averaging, step after step (P and Q phases)."""
-    state = hvd_acp.ddp.ACPState(matrix_rank=6, min_compression_rate=0)
+    state = hvd_acp.ddp.ACPState(matrix_rank=6, min_compression_rate=0, step_ahead=0)
     model = ddp(build(Square), state, bucket_cap_mb=0.0002)
     reference = build(Square)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -211,7 +211,7 @@ def case_error_feedback(_):
     the ranks' mean residual add up to the sum of the averaged gradients
     (weights fixed, lr=0). The two warm-up steps are plain averages."""
     module = build(Mixed)
-    state = hvd_acp.ddp.ACPState(matrix_rank=1, warmup_steps=2,
+    state = hvd_acp.ddp.ACPState(matrix_rank=1, warmup_steps=2, step_ahead=0,
                                  named_parameters=module.named_parameters())
     model = ddp(module, state, bucket_cap_mb=0.002)
     reference = build(Mixed)
@@ -241,7 +241,7 @@ def case_error_feedback(_):
 def case_no_sync(_):
     """Two passes under no_sync() and one synchronized: one communication,
     the average of the summed gradients."""
-    state = hvd_acp.ddp.ACPState(matrix_rank=6, min_compression_rate=0)
+    state = hvd_acp.ddp.ACPState(matrix_rank=6, min_compression_rate=0, step_ahead=0)
     model = ddp(build(Square), state)
     reference = build(Square)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -270,7 +270,8 @@ def case_unused(_):
         return {"use_branch": r != 1}
 
     for matrix_rank in (6, 2):
-        state = hvd_acp.ddp.ACPState(matrix_rank=matrix_rank, min_compression_rate=0)
+        state = hvd_acp.ddp.ACPState(matrix_rank=matrix_rank, min_compression_rate=0,
+                                     step_ahead=0)
         model = ddp(build(Branches), state, find_unused_parameters=True)
         reference = build(Branches)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -292,7 +293,7 @@ def case_dtypes(_):
     their own; fp32 and fp64 are exact at full rank, bf16 to its precision
     (its factors and residual are kept in float32)."""
     dtypes = (torch.float64, torch.float32, torch.bfloat16)
-    state = hvd_acp.ddp.ACPState(matrix_rank=6, min_compression_rate=0)
+    state = hvd_acp.ddp.ACPState(matrix_rank=6, min_compression_rate=0, step_ahead=0)
     model = ddp(build(Square, dtypes=dtypes), state)
     reference = build(Square, dtypes=dtypes)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -307,8 +308,8 @@ def case_dtypes(_):
             for p, e in ((layer.weight, w), (layer.bias, b)):
                 torch.testing.assert_close(p.grad.double(), e, atol=tol, rtol=tol)
         opt.step()
-    factors = state._factors
-    assert {f.error.dtype for f in factors.values()} == {torch.float64, torch.float32}
+    errors = state.compression.errors
+    assert {e.dtype for e in errors.values()} == {torch.float64, torch.float32}
     assert_replicas_identical(flat(model.module))
 
 
@@ -317,7 +318,8 @@ def case_nonfinite(_):
     residuals and sees the non-finite gradient (so a GradScaler would skip
     the step); training then goes on with identical replicas."""
     module = build(Mixed)
-    state = hvd_acp.ddp.ACPState(matrix_rank=2, named_parameters=module.named_parameters())
+    state = hvd_acp.ddp.ACPState(matrix_rank=2, named_parameters=module.named_parameters(),
+                                 step_ahead=0)
     model = ddp(module, state, bucket_cap_mb=0.002)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for i in range(3):
@@ -384,8 +386,8 @@ def case_checkpoint(directory):
     def fresh(naming, seed=0):
         module = build(Mixed, seed=seed)
         opt = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
-        kwargs = {"named": {"named_parameters": module.named_parameters()},
-                  "optimizer": {"optimizer": opt}}.get(naming, {})
+        kwargs = {"named": {"named_parameters": module.named_parameters(), "step_ahead": 0},
+                  "optimizer": {"optimizer": opt}}.get(naming, {"step_ahead": 0})
         state = hvd_acp.ddp.ACPState(matrix_rank=2, **kwargs)
         assert bool(state.step_ahead) == (naming == "optimizer")
         return ddp(module, state, bucket_cap_mb=0.002), state, opt
@@ -447,13 +449,13 @@ def case_errors(_):
     expect_error(ValueError, "matrix_rank must be a positive int",
                  lambda: hvd_acp.ddp.ACPState(matrix_rank=0))
 
-    state = hvd_acp.ddp.ACPState(matrix_rank=2)
+    state = hvd_acp.ddp.ACPState(matrix_rank=2, step_ahead=0)
     model = ddp(build(Square), state)
     expect_error(RuntimeError, "can only be called once",
                  lambda: model.register_comm_hook(state, hvd_acp.ddp.acp_hook))
 
     # One state on two models: the second model's first backward raises.
-    shared = hvd_acp.ddp.ACPState(matrix_rank=2)
+    shared = hvd_acp.ddp.ACPState(matrix_rank=2, step_ahead=0)
     first, second = ddp(build(Square), shared), ddp(build(Square, seed=1), shared)
     x, y = batch(rank(), 0)
     F.cross_entropy(first(x), y).backward()
@@ -461,13 +463,14 @@ def case_errors(_):
                  lambda: F.cross_entropy(second(x), y).backward())
 
     named_module = build(Square)
-    named = hvd_acp.ddp.ACPState(matrix_rank=2, named_parameters=named_module.named_parameters())
+    named = hvd_acp.ddp.ACPState(matrix_rank=2, named_parameters=named_module.named_parameters(),
+                                 step_ahead=0)
     other = ddp(build(Square, seed=2), named)
     expect_error(RuntimeError, "not among this ACPState's parameters",
                  lambda: F.cross_entropy(other(x), y).backward())
 
     # Settings that differ between ranks: every rank raises, none hangs.
-    differing = hvd_acp.ddp.ACPState(matrix_rank=2 + rank())
+    differing = hvd_acp.ddp.ACPState(matrix_rank=2 + rank(), step_ahead=0)
     model = ddp(build(Square), differing)
     expect_error(ValueError, "matrix_rank=2 on rank 0 but 3 on rank 1",
                  lambda: F.cross_entropy(model(x), y).backward())

@@ -1,0 +1,412 @@
+"""The compression state of ACP-SGD, one object under every front end.
+
+``torch.optim``'s classes all call one functional step; hvd_acp's front ends
+(the Horovod reducer, the DDP hook, Power-SGD and the planner's profiler) all
+hold a :class:`CompressionState` and run each parameter's step through
+:class:`CompressedTensor`. A change to the error feedback is one edit here.
+
+Per compressed parameter (a gradient viewed as an (n, m) matrix ``M``)::
+
+    P step                                Q step
+    A   = M + E                           A   = M + E
+    P_i = A Qh          (sent)            Q_i = A^T Ph        (sent)
+    E   = A - P_i Qh^T  (kept, local)     E   = A - Ph Q_i^T  (kept, local)
+    P   = mean_i P_i    (committed)       Q   = mean_i Q_i    (committed)
+    G   = P Qh^T        (applied)         G   = Ph Q^T        (applied)
+
+``Qh`` and ``Ph`` are the orthonormalized factors of the previous step
+(:meth:`CompressionState.orthonormal_bases`). The maths itself is in
+:mod:`.compression`; this module owns the tensors and their lifecycle:
+initial factors, commit, repair after a non-finite average, checkpoints and
+the settings every rank must share.
+
+Checkpoints (:meth:`CompressionState.state_dict`) are keyed by parameter
+name. A residual ``E`` belongs to the rank that accumulated it: loaded on
+another rank it would be counted twice, so :meth:`load_state_dict` installs
+it only on the rank that saved it and starts the others from zero.
+"""
+from __future__ import annotations
+
+import logging
+import numbers
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .compression import (Phase, compress_, compute_dtype, init_factor, local_residual_,
+                          orthonormalize_, phase_of, reconstruct_)
+from .fusion import TensorLayout, make_layouts
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["STATE_FORMAT_VERSION", "CompressedTensor", "CompressionState",
+           "check_compression_settings", "check_state_version"]
+
+#: Version of :meth:`CompressionState.state_dict`'s format: residuals in the
+#: local form ``E = A - P_i B^T``.
+STATE_FORMAT_VERSION = 2
+
+
+def is_int(value) -> bool:
+    """An integer that is not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_compression_settings(matrix_rank, min_compression_rate, warmup_steps, seed) -> None:
+    """Raise ``ValueError``/``TypeError`` naming the first bad setting of a
+    :class:`CompressionState`; front ends call it before any collective."""
+    if not is_int(matrix_rank) or matrix_rank < 1:
+        raise ValueError(f"matrix_rank must be a positive int, got {matrix_rank!r}")
+    if (not isinstance(min_compression_rate, numbers.Real)
+            or isinstance(min_compression_rate, bool) or not min_compression_rate >= 0):
+        raise ValueError("min_compression_rate must be a number >= 0, got "
+                         f"{min_compression_rate!r}")
+    if not is_int(warmup_steps) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+    if not is_int(seed):
+        raise TypeError(f"seed must be an int, got {seed!r}")
+
+
+def describe_differences(reference: dict, other: dict, rank: int) -> str:
+    """``"key=a on rank 0 but b on rank N; ..."`` for the settings that differ."""
+    return "; ".join(f"{key}={value!r} on rank 0 but {other.get(key)!r} on rank {rank}"
+                     for key, value in reference.items() if other.get(key) != value)
+
+
+class CompressedTensor:
+    """Factors and error-feedback residual of one compressed parameter.
+
+    Attributes:
+        layout: the parameter's matrix view (n, m), rank r and compute dtype.
+        p: shape (n, r), the last averaged P (identical on every rank).
+        q: shape (m, r), the last averaged Q (identical on every rank).
+        error: shape (n, m), this rank's residual ``E``.
+    """
+
+    __slots__ = ("layout", "p", "q", "error")
+
+    def __init__(self, layout: TensorLayout, generator: torch.Generator,
+                 device: torch.device) -> None:
+        lay = self.layout = layout
+        # Q before P: the order every checkpoint and test of hvd_acp assumes.
+        self.q = init_factor(lay.m, lay.r, generator, lay.dtype, device)
+        self.p = init_factor(lay.n, lay.r, generator, lay.dtype, device)
+        self.error = torch.zeros(lay.n, lay.m, dtype=lay.dtype, device=device)
+
+    def reused(self, phase: Phase) -> Tensor:
+        """The factor a step of ``phase`` projects on: Q for a P step, P for a Q step."""
+        return self.q if phase is Phase.P else self.p
+
+    def compress_(self, phase: Phase, grad: Optional[Tensor], basis: Tensor, out: Tensor, *,
+                  residual: bool = True, record=None) -> None:
+        """This rank's factor of ``grad`` into ``out``, with error feedback.
+
+        Args:
+            phase: P or Q.
+            grad: this rank's gradient, any shape with ``numel == n * m`` and
+                any floating dtype; ``None`` for a zero gradient.
+            basis: shape (m, r) (``Qh``) for a P step, (n, r) (``Ph``) for a Q step.
+            out: shape (n, r) for P, (m, r) for Q; receives ``A @ basis``.
+            residual: keep ``E = A - out @ basis.T``. Without it ``error``
+                holds ``A`` afterwards (Power-SGD's first projection, whose
+                residual the second one computes).
+            record: a :class:`~hvd_acp.diagnostics.StepRecord` to add to.
+
+        Modifies ``error`` in place.
+        """
+        lay = self.layout
+        matrix = None if grad is None else grad.reshape(lay.n, lay.m).to(lay.dtype)
+        error = self.error
+        if phase is Phase.Q:
+            matrix, error = (None if matrix is None else matrix.t()), error.t()
+        compress_(matrix, error, basis, out)          # A = M + E, out = A B
+        if record is not None:
+            record.add_compressed(matrix, error, out)
+        if residual:
+            local_residual_(error, out, basis)        # E = A - out B^T
+
+    def commit_(self, phase: Phase, averaged: Tensor) -> Tensor:
+        """Keep the averaged factor of ``phase`` for the next step; returns it."""
+        factor = self.p if phase is Phase.P else self.q
+        return factor.copy_(averaged)
+
+    def reconstruct_(self, phase: Phase, factor: Tensor, basis: Tensor, target: Tensor) -> None:
+        """``G`` into ``target`` (n, m): ``factor @ basis.T`` (P) or ``basis @ factor.T`` (Q)."""
+        if phase is Phase.P:
+            reconstruct_(target, factor, basis)            # G = P Qh^T
+        else:
+            reconstruct_(target, basis, factor)            # G = Ph Q^T
+
+    def apply_(self, phase: Phase, averaged: Tensor, basis: Tensor, target: Tensor,
+               commit: bool = True) -> None:
+        """The averaged gradient ``G`` into ``target`` (n, m), from the averaged factor.
+
+        With ``commit`` the averaged factor becomes the one reused by the next
+        step; without (a non-finite average, identical on every rank) the
+        factor is kept and the residual restarts from zero (:meth:`repair_`).
+        """
+        factor = averaged.to(self.layout.dtype)
+        if commit:
+            factor = self.commit_(phase, factor)
+        else:
+            self.repair_()
+        self.reconstruct_(phase, factor, basis, target)
+
+    def repair_(self) -> None:
+        """Restart the residual from zero (after a non-finite average)."""
+        self.error.zero_()
+
+    def state_dict(self, with_error: bool = True) -> Dict[str, Tensor]:
+        entry = {"P": self.p.clone(), "Q": self.q.clone()}
+        if with_error:
+            entry["error"] = self.error.clone()
+        return entry
+
+    def load_(self, entry: dict, keep_error: bool) -> None:
+        """Copy a saved entry in (shapes checked by the caller); the residual
+        restarts from zero unless ``keep_error`` and the entry has one."""
+        self.p.copy_(entry["P"])
+        self.q.copy_(entry["Q"])
+        if keep_error and "error" in entry:
+            self.error.copy_(entry["error"])
+        else:
+            self.error.zero_()
+
+
+def check_state_version(state: dict) -> None:
+    """Raise ``ValueError`` unless ``state`` is a compression state this version reads."""
+    if not isinstance(state, dict) or "params" not in state:
+        raise ValueError("not an hvd_acp compression state (expected the dict of "
+                         "state_dict(), with 'version', 'step_count' and 'params')")
+    version = state.get("version")
+    if version != STATE_FORMAT_VERSION:
+        raise ValueError(f"unsupported hvd_acp state format version {version!r}; this "
+                         f"version reads {STATE_FORMAT_VERSION}")
+
+
+class CompressionState:
+    """Settings, step count and per-parameter state of ACP-SGD for one model.
+
+    Args:
+        matrix_rank: rank r of the factors.
+        min_compression_rate: see :func:`.compression.should_compress`.
+        warmup_steps: steps of exact averaging before compression starts.
+        seed: seed of the dedicated generator that draws the initial factors
+            in the order parameters are added: identical on every rank that
+            adds the same parameters, and the global RNG is untouched.
+
+    Attributes:
+        step_count: steps (communication rounds) completed.
+        layouts: name -> :class:`~hvd_acp.fusion.TensorLayout` of every
+            parameter added, compressed or not.
+        tensors: name -> :class:`CompressedTensor` of the compressed ones.
+    """
+
+    def __init__(self, *, matrix_rank: int, min_compression_rate: float, warmup_steps: int,
+                 seed: int) -> None:
+        check_compression_settings(matrix_rank, min_compression_rate, warmup_steps, seed)
+        self.matrix_rank = matrix_rank
+        self.min_compression_rate = min_compression_rate
+        self.warmup_steps = warmup_steps
+        self.seed = seed
+        self.step_count = 0
+        self.layouts: Dict[str, TensorLayout] = {}
+        self.tensors: Dict[str, CompressedTensor] = {}
+        self._generator = torch.Generator().manual_seed(seed)
+        #: Loaded entries of parameters not added yet (see load_state_dict).
+        self._pending: Optional[Dict[str, dict]] = None
+        self._pending_keep_error = False
+
+    # --------------------------------------------------------------- layout
+    def add(self, name: str, shape: Sequence[int], dtype: torch.dtype,
+            device: torch.device) -> TensorLayout:
+        """Add a parameter; draws its initial factors if it is compressed."""
+        if name in self.layouts:
+            raise ValueError(f"two parameters are named {name!r}")
+        lay, = make_layouts([(name, tuple(shape), dtype)], self.matrix_rank,
+                            self.min_compression_rate, payload_dtype=compute_dtype)
+        self.layouts[name] = lay
+        if lay.compressed:
+            self.tensors[name] = CompressedTensor(lay, self._generator, device)
+        if self._pending is not None:
+            self._load_entry(name, self._pending.pop(name, None), self._pending_keep_error)
+        return lay
+
+    @property
+    def phase(self) -> Phase:
+        """Phase of the current step: DENSE during warm-up, then P, Q, P, ..."""
+        return phase_of(self.step_count, self.warmup_steps)
+
+    @property
+    def errors(self) -> Dict[str, Tensor]:
+        """name -> this rank's residual ``E`` (n, m), for every compressed parameter."""
+        return {name: t.error for name, t in self.tensors.items()}
+
+    @property
+    def p_factors(self) -> Dict[str, Tensor]:
+        return {name: t.p for name, t in self.tensors.items()}
+
+    @property
+    def q_factors(self) -> Dict[str, Tensor]:
+        return {name: t.q for name, t in self.tensors.items()}
+
+    def wire_elements(self, phase: Phase) -> int:
+        """Elements one rank sends in a step of ``phase`` (every parameter added)."""
+        return sum(lay.payload_numel(phase) for lay in self.layouts.values())
+
+    def orthonormal_bases(self, phase: Phase, names: Iterable[str],
+                          out: Optional[Dict[str, Tensor]] = None) -> Dict[str, Tensor]:
+        """The orthonormalized reused factor (``Qh`` or ``Ph``) of each of ``names``.
+
+        Same-shaped factors are orthonormalized in one batched call. ``out``
+        (name -> tensor) is reused where shapes allow; the factors themselves
+        are left as they are.
+        """
+        out = {} if out is None else out
+        chosen = []
+        for name in names:
+            factor = self.tensors[name].reused(phase)
+            basis = out.get(name)
+            if basis is None or basis.shape != factor.shape:
+                basis = out[name] = torch.empty_like(factor)
+            basis.copy_(factor)
+            chosen.append(basis)
+        orthonormalize_(chosen)
+        return out
+
+    # ------------------------------------------------------------- checking
+    def settings(self) -> Dict[str, float]:
+        """The settings every rank must share, by name."""
+        return {"matrix_rank": self.matrix_rank,
+                "min_compression_rate": self.min_compression_rate,
+                "warmup_steps": self.warmup_steps, "seed": self.seed}
+
+    def fingerprint(self) -> Tuple[int, float]:
+        """(step count, sum of every factor in float64): equal on every rank
+        whose state came from the same place; cheap to gather."""
+        total = 0.0
+        for tensor in self.tensors.values():
+            total += float(tensor.p.double().sum()) + float(tensor.q.double().sum())
+        return self.step_count, total
+
+    # ---------------------------------------------------------- checkpoints
+    def state_dict(self, *, rank: Optional[int], world_size: Optional[int],
+                   with_error: bool = True) -> dict:
+        """Compression state of this rank, keyed by parameter name.
+
+        Args:
+            rank, world_size: recorded so that a residual is only ever
+                installed on the rank that accumulated it.
+            with_error: include this rank's residuals.
+        """
+        params = {name: t.state_dict(with_error) for name, t in self.tensors.items()}
+        for name, entry in (self._pending or {}).items():
+            params[name] = {k: v for k, v in entry.items() if with_error or k != "error"}
+        return {
+            "version": STATE_FORMAT_VERSION,
+            "step_count": self.step_count,
+            "phase": self.phase.value,
+            "warmup_steps": self.warmup_steps,
+            "matrix_rank": self.matrix_rank,
+            "world_size": world_size,
+            "rank": rank,
+            "params": params,
+        }
+
+    def load_state_dict(self, state: dict, *, rank: Optional[int],
+                        reset_error_feedback: bool = False, complete: bool = True) -> None:
+        """Restore :meth:`state_dict` output (this rank's, or another rank's).
+
+        Factors and step count are loaded as saved. A residual is installed
+        only when ``state`` was saved by this same ``rank`` (or records no
+        rank) and ``reset_error_feedback`` is not set: anywhere else it is
+        another rank's unsent gradient, and this rank's starts from zero
+        (logged). The world size may differ: factors do not depend on it.
+
+        Args:
+            state: as returned by :meth:`state_dict`.
+            rank: this process's rank, compared with the saving rank's.
+            reset_error_feedback: start every residual from zero.
+            complete: every parameter has been added. Otherwise entries of
+                parameters not added yet wait until :meth:`add` (a DDP state
+                learns its parameters in the first iteration) and
+                :meth:`check_loaded` reports the ones never added.
+
+        Raises:
+            ValueError: an unsupported format, or entries that do not match
+                the parameters; nothing is loaded then.
+        """
+        self.check_state_dict(state, complete)      # before anything is loaded
+        saved_rank = state.get("rank")
+        keep_error = not reset_error_feedback and (saved_rank is None or rank is None
+                                                   or saved_rank == rank)
+        saved = state["params"]
+        if not keep_error and not reset_error_feedback and any(
+                "error" in entry for entry in saved.values()):
+            logger.info("hvd_acp: the residuals in this checkpoint were saved by rank %s; "
+                        "rank %s starts its own from zero (a residual is one rank's unsent "
+                        "gradient)", saved_rank, rank)
+        for name in self.tensors:
+            self.tensors[name].load_(saved[name], keep_error)
+        self._pending = None if complete else {
+            name: {k: v for k, v in entry.items() if keep_error or k != "error"}
+            for name, entry in saved.items() if name not in self.layouts}
+        self._pending_keep_error = keep_error
+        self.step_count = int(state["step_count"])
+
+    def check_state_dict(self, state: dict, complete: bool = True) -> None:
+        """Raise ``ValueError`` unless :meth:`load_state_dict` can load ``state``."""
+        check_state_version(state)
+        saved = state["params"]
+        if complete:
+            missing = sorted(set(self.tensors) - set(saved))
+            unexpected = sorted(set(saved) - set(self.tensors))
+            if missing or unexpected:
+                raise ValueError(f"hvd_acp state does not match the parameters: missing "
+                                 f"{missing}, unexpected {unexpected}")
+        for name in self.layouts:
+            self._check_entry(name, saved.get(name))
+
+    def _check_entry(self, name: str, entry: Optional[dict]) -> None:
+        """Raise ``ValueError`` unless ``entry`` can be loaded into parameter ``name``."""
+        tensor = self.tensors.get(name)
+        if tensor is None:
+            if entry is not None:
+                raise ValueError(f"hvd_acp state has factors for {name!r}, which is not "
+                                 "compressed here (different matrix_rank or model?)")
+            return
+        if entry is None:
+            raise ValueError(f"hvd_acp state has no entry for the compressed parameter "
+                             f"{name!r} (a checkpoint of another model?)")
+        for key, target in (("P", tensor.p), ("Q", tensor.q), ("error", tensor.error)):
+            if key in entry and tuple(entry[key].shape) != tuple(target.shape):
+                raise ValueError(
+                    f"hvd_acp state for {name!r}: {key} has shape {tuple(entry[key].shape)}, "
+                    f"expected {tuple(target.shape)} (different matrix_rank or model?)")
+
+    def _load_entry(self, name: str, entry: Optional[dict], keep_error: bool) -> None:
+        self._check_entry(name, entry)
+        if entry is not None:
+            self.tensors[name].load_(entry, keep_error)
+
+    def check_loaded(self) -> None:
+        """Once every parameter has been added: raise if a loaded entry found none."""
+        pending, self._pending = self._pending, None
+        if pending:
+            raise ValueError("hvd_acp state has entries for parameters this model does not "
+                             f"have: {sorted(pending)}")
+
+    def reset_error_feedback(self) -> None:
+        """Set every residual to zero."""
+        for tensor in self.tensors.values():
+            tensor.repair_()
+
+
+def nonfinite_names(slots: Iterable[Tuple[str, Tensor]]) -> List[str]:
+    """Names of the averaged slots holding inf or NaN.
+
+    An averaged payload is identical on every rank, so every rank finds the
+    same names and repairs the same state.
+    """
+    return [name for name, view in slots if not bool(torch.isfinite(view).all())]
