@@ -67,19 +67,31 @@ class _LocalStep(torch.optim.Optimizer):
     ``hvd.broadcast_optimizer_state`` initializes a fresh optimizer's state
     with ``super(type(opt), opt).step()`` when ``opt`` is a Horovod
     distributed optimizer, so that no rank starts a collective on its own.
+    That step, on zero gradients, exists to create the state; it leaves the
+    weights as they were. (With weight decay it would shrink them, on the
+    ranks that had no state only: after a resume from rank 0's checkpoint,
+    whose weights ``hvd.broadcast_parameters`` had just copied everywhere,
+    the replicas would differ for the rest of training.)
     """
 
     def step(self, closure=None):  # pylint: disable=arguments-differ
         self._state_initialized_by_broadcast = True
+        params = [p for group in self.param_groups for p in group["params"]
+                  if p.grad is not None]
         if isinstance(self._optimizer, torch.optim.SparseAdam):
             # broadcast_optimizer_state makes the zero gradients of that
             # initialization sparse only where ``isinstance`` shows it a
             # SparseAdam, which a wrapper by composition is not.
-            for group in self.param_groups:
-                for param in group["params"]:
-                    if param.grad is not None and not param.grad.is_sparse:
-                        param.grad = param.grad.to_sparse()
-        return self._optimizer.step(closure)
+            for param in params:
+                if not param.grad.is_sparse:
+                    param.grad = param.grad.to_sparse()
+        with torch.no_grad():
+            weights = [param.clone() for param in params]
+        result = self._optimizer.step(closure)
+        with torch.no_grad():
+            for param, weight in zip(params, weights):
+                param.copy_(weight)
+        return result
 
 
 class DistributedOptimizer(_LocalStep):

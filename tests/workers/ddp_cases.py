@@ -433,6 +433,172 @@ def case_checkpoint(directory):
         assert not torch.equal(flat(model3.module), flat(model2.module))
 
 
+# ------------------------------------------------------------ resume patterns
+def acp_model(seed=0, **state_kwargs):
+    """The Mixed model under DDP with the hook, its optimizer given to the state."""
+    module = build(Mixed, seed=seed)
+    opt = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
+    state = hvd_acp.ddp.ACPState(matrix_rank=2, optimizer=opt,
+                                 named_parameters=module.named_parameters(), **state_kwargs)
+    return ddp(module, state, bucket_cap_mb=0.002), state, opt
+
+
+def train_steps(model, opt, start, stop):
+    for i in range(start, stop):
+        step(model, opt, *batch(rank(), i))
+
+
+def eval_loss(model):
+    x, y = batch(99, 0, n=128)
+    with torch.no_grad():
+        return float(F.cross_entropy(model.module(x), y))
+
+
+def case_resume_rank0_file(directory):
+    """PyTorch's DDP checkpoint pattern: rank 0 saves model, optimizer and
+    comm state; every rank loads rank 0's file (default arguments). Rank 0
+    keeps its residual, the others start from zero; the replicas stay
+    identical and the run ends within 5% of the uninterrupted one."""
+    k, total = 7, 16
+    model, state, opt = acp_model()
+    train_steps(model, opt, 0, k)
+    path = os.path.join(directory, f"ddp_rank0.{size()}.pt")
+    if rank() == 0:
+        torch.save({"model": model.module.state_dict(), "optimizer": opt.state_dict(),
+                    "acp": state.state_dict()}, path)
+    saved_errors = {n: e.clone() for n, e in state.compression.errors.items()}
+    train_steps(model, opt, k, total)
+    uninterrupted = eval_loss(model)
+    state.close()
+    dist.barrier()
+
+    model2, state2, opt2 = acp_model(seed=5)
+    checkpoint = torch.load(path)
+    model2.module.load_state_dict(checkpoint["model"])
+    opt2.load_state_dict(checkpoint["optimizer"])
+    state2.load_state_dict(checkpoint["acp"])
+    assert state2.step_count == k and state2.phase is Phase.Q
+    for name, error in state2.compression.errors.items():
+        if rank() == 0:
+            assert torch.equal(error, saved_errors[name]), "rank 0 lost its residual"
+        else:
+            assert not error.any(), f"rank {rank()} installed rank 0's residual"
+    train_steps(model2, opt2, k, total)
+    assert state2.step_count == total
+    assert_replicas_identical(flat(model2.module))
+    resumed = eval_loss(model2)
+    assert abs(resumed - uninterrupted) <= 0.05 * uninterrupted, (resumed, uninterrupted)
+    state2.close()
+
+
+def case_rank0_only(directory):
+    """Rank 0 alone loads the comm state: every rank raises at the first
+    bucket (no hang, no silent mismatch)."""
+    model, state, opt = acp_model()
+    train_steps(model, opt, 0, 3)
+    saved = state.state_dict()
+    state.close()
+    model2, state2, opt2 = acp_model(seed=5)
+    if rank() == 0:
+        state2.load_state_dict(saved)
+    expect_error(ValueError, "step_count=3 on rank 0 but 0 on rank 1",
+                 lambda: step(model2, opt2, *batch(rank(), 3)))
+    state2.close()
+
+
+def case_attach_optimizer(_):
+    """A comm state built before the optimizer (as Lightning's DDPStrategy
+    does), the optimizer attached after DDP wraps the model: the same bits
+    as a state given its optimizer at construction."""
+    module = build(Mixed)
+    state = hvd_acp.ddp.ACPState(matrix_rank=2, named_parameters=module.named_parameters())
+    model = ddp(module, state, bucket_cap_mb=0.002)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    state.attach_optimizer(opt)
+    reference, ref_state, ref_opt = acp_model()
+    train_steps(model, opt, 0, 6)
+    train_steps(reference, ref_opt, 0, 6)
+    assert torch.equal(flat(model.module), flat(reference.module))
+    assert state.step_ahead and any(e.any() for e in state.compression.errors.values())
+    state.close()
+    ref_state.close()
+    # Once the hook has run, the first iterations went without step-ahead.
+    late = hvd_acp.ddp.ACPState(matrix_rank=2, step_ahead=0)
+    late_model = ddp(build(Square), late)
+    late_opt = torch.optim.SGD(late_model.parameters(), lr=0.1)
+    step(late_model, late_opt, *batch(rank(), 0))
+    expect_error(RuntimeError, "before the first backward pass",
+                 lambda: late.attach_optimizer(late_opt))
+
+
+def case_needs_optimizer(_):
+    """Step-ahead on (the default) and no optimizer: the first backward
+    raises on every rank instead of silently training without it."""
+    state = hvd_acp.ddp.ACPState(matrix_rank=2)
+    model = ddp(build(Square), state)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    expect_error(RuntimeError, "no optimizer: pass ACPState.*attach_optimizer",
+                 lambda: step(model, opt, *batch(rank(), 0)))
+
+
+class TorchDistCommunicator(hvd_acp.Communicator):
+    """hvd_acp's Communicator over torch.distributed, averaging as the DDP hook
+    does (sum, then divide by the world size), so that the Horovod front end
+    can run next to the hook in one job."""
+
+    def size(self):
+        return dist.get_world_size()
+
+    def rank(self):
+        return dist.get_rank()
+
+    def reduction_weight(self):
+        return 1.0 / self.size()
+
+    def allreduce_async_(self, tensor, name):
+        self._count(tensor)
+        return dist.all_reduce(tensor, async_op=True), tensor
+
+    def synchronize(self, handle):
+        work, tensor = handle
+        work.wait()
+        tensor.div_(self.size())
+
+    def allgather_object(self, obj, name):
+        gathered = [None] * self.size()
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+
+def case_same_as_horovod_front_end(_):
+    """The same gradients through the DDP hook and through
+    hvd_acp.DistributedOptimizer (one compression state under both): the
+    same factors, residuals and weights, bit for bit, step after step, with
+    step-ahead on."""
+    hook_model, hook_state, hook_opt = acp_model()
+    module = build(Mixed)
+    base = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
+    front = hvd_acp.DistributedOptimizer(base, module.named_parameters(), matrix_rank=2,
+                                         communicator=TorchDistCommunicator())
+    for i in range(8):
+        x, y = batch(rank(), i)
+        step(hook_model, hook_opt, x, y)
+        front.zero_grad()
+        F.cross_entropy(module(x), y).backward()
+        front.step()
+        assert front.step_count == hook_state.step_count == i + 1
+        ours, theirs = front.reducer.state.tensors, hook_state.compression.tensors
+        assert sorted(ours) == sorted(theirs) == ["fc1.weight", "fc2.weight", "out.weight"]
+        for name, tensor in ours.items():
+            for attr in ("p", "q", "error"):
+                assert torch.equal(getattr(tensor, attr), getattr(theirs[name], attr)), (
+                    i, name, attr)
+        assert torch.equal(flat(module), flat(hook_model.module)), f"weights differ at step {i}"
+    assert any(e.any() for e in front.reducer.errors.values())
+    front.close()
+    hook_state.close()
+
+
 def expect_error(kind, match, fn):
     import re
     try:
