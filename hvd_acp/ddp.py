@@ -163,22 +163,6 @@ class ACPState:
 
     # ----------------------------------------------------------- properties
     @property
-    def matrix_rank(self) -> int:
-        return self.compression.matrix_rank
-
-    @property
-    def min_compression_rate(self) -> float:
-        return self.compression.min_compression_rate
-
-    @property
-    def warmup_steps(self) -> int:
-        return self.compression.warmup_steps
-
-    @property
-    def seed(self) -> int:
-        return self.compression.seed
-
-    @property
     def step_count(self) -> int:
         """Iterations completed."""
         return self.compression.step_count
@@ -521,7 +505,7 @@ def acp_hook(state: ACPState, bucket: dist.GradBucket) -> torch.futures.Future[t
     For every bucket of every iteration:
 
     1. Views each gradient of the bucket as a matrix and splits them into
-       the tensors to compress (see ``ACPState.min_compression_rate``) and
+       the tensors to compress (see ``min_compression_rate`` above) and
        the others (1-D tensors, small matrices), as ``powerSGD_hook`` does.
     2. Orthonormalizes the factor each compressed tensor reuses from the
        previous iteration (``Qh = orth(Q)`` in a P step, ``Ph = orth(P)``

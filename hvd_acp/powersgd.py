@@ -38,7 +38,7 @@ class PowerSGDReducer(ACPReducer):
     @property
     def phase(self) -> Phase:
         """DENSE during warm-up, then P: every step starts with the P all-reduce."""
-        return Phase.DENSE if self.step_count < self.warmup_steps else Phase.P
+        return Phase.DENSE if self.step_count < self.state.warmup_steps else Phase.P
 
     def _prepare_bases(self) -> None:
         # Power-SGD multiplies by the previous Q as it is (warm start).

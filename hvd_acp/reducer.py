@@ -156,14 +156,6 @@ class ACPReducer:
         return self.state.step_count
 
     @property
-    def warmup_steps(self) -> int:
-        return self.state.warmup_steps
-
-    @property
-    def matrix_rank(self) -> int:
-        return self.state.matrix_rank
-
-    @property
     def layouts(self) -> Dict[str, TensorLayout]:
         return self.state.layouts
 
@@ -171,14 +163,6 @@ class ACPReducer:
     def errors(self) -> Dict[str, Tensor]:
         """name -> this rank's residual, for every compressed parameter."""
         return self.state.errors
-
-    @property
-    def p_factors(self) -> Dict[str, Tensor]:
-        return self.state.p_factors
-
-    @property
-    def q_factors(self) -> Dict[str, Tensor]:
-        return self.state.q_factors
 
     @property
     def phase(self) -> Phase:

@@ -129,13 +129,13 @@ def test_plain_and_wrapped_checkpoints_load_into_each_other():
     plain.load_state_dict(wrapped_state)
     assert set(plain.state_dict()["state"]) == set(wrapped_state["state"])
 
-    phase, factors = opt.phase, {k: v.clone() for k, v in opt.reducer.q_factors.items()}
+    phase, factors = opt.phase, {k: v.clone() for k, v in opt.reducer.state.q_factors.items()}
     plain_state = plain.state_dict()
     plain_state["param_groups"][0]["lr"] = 0.01
     opt.load_state_dict(plain_state)       # no hvd_acp section: compression state kept
     assert opt.param_groups[0]["lr"] == 0.01 and opt.phase is phase
     for name, value in factors.items():
-        assert torch.equal(opt.reducer.q_factors[name], value)
+        assert torch.equal(opt.reducer.state.q_factors[name], value)
 
 
 def test_loading_a_checkpoint_of_another_model_names_the_problem():
@@ -173,8 +173,8 @@ def test_a_compression_section_that_cannot_load_loads_nothing():
     assert other.param_groups[0]["lr"] == lr_before and other.step_count == 0
     other.load_state_dict(saved)
     assert other.param_groups[0]["lr"] == 0.5 and other.step_count == 1
-    for name, factor in opt.reducer.p_factors.items():
-        assert torch.equal(other.reducer.p_factors[name], factor)
+    for name, factor in opt.reducer.state.p_factors.items():
+        assert torch.equal(other.reducer.state.p_factors[name], factor)
 
 
 @pytest.mark.parametrize("cls", [hvd_acp.DistributedOptimizer, hvd_acp.PowerSGDOptimizer])

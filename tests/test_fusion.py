@@ -176,7 +176,7 @@ def test_slots_are_views_of_the_flat_buffer_that_is_reduced(threshold):
         torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
         matrix_rank=2, fusion_threshold_bytes=threshold, communicator=comm)
     reducer = opt.reducer
-    basis = {n: q.clone() for n, q in reducer.q_factors.items()}
+    basis = {n: q.clone() for n, q in reducer.state.q_factors.items()}
     orthonormalize_(basis.values())
     model(torch.randn(5, 12, dtype=F64)).pow(2).sum().backward()
     local = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -201,7 +201,7 @@ def test_slots_are_views_of_the_flat_buffer_that_is_reduced(threshold):
         assert not reducer.layouts[name].compressed
         assert_close(params[name].grad, 2 * local[name])
     assert reducer.layouts["0.weight"].compressed
-    assert_close(reducer.p_factors["0.weight"], 2 * local["0.weight"] @ basis["0.weight"])
+    assert_close(reducer.state.p_factors["0.weight"], 2 * local["0.weight"] @ basis["0.weight"])
 
 
 class _OrderCommunicator(hvd_acp.LocalCommunicator):

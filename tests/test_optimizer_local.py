@@ -270,7 +270,7 @@ def test_initial_factors_depend_only_on_the_seed_and_leave_the_global_rng_alone(
         _backward(model, _conv_input(0))
         opt.step()
         assert torch.equal(torch.random.get_rng_state(), rng)
-        factors.append(opt.reducer)
+        factors.append(opt.reducer.state)
     first, same_seed, other_seed = factors
     assert set(first.q_factors) == ConvNet.COMPRESSED
     for name in ConvNet.COMPRESSED:
@@ -284,8 +284,8 @@ def test_initial_factors_are_identical_before_any_step():
     torch.manual_seed(99)
     b, _ = _wrap(_conv_net(), seed=5)
     for name in ConvNet.COMPRESSED:
-        assert torch.equal(a.reducer.q_factors[name], b.reducer.q_factors[name])
-        assert torch.equal(a.reducer.p_factors[name], b.reducer.p_factors[name])
+        assert torch.equal(a.reducer.state.q_factors[name], b.reducer.state.q_factors[name])
+        assert torch.equal(a.reducer.state.p_factors[name], b.reducer.state.p_factors[name])
 
 
 # ------------------------------------------------------- wrapping an optimizer
@@ -504,7 +504,7 @@ def test_sparse_gradient_sent_apart_leaves_its_compression_state_alone():
                                        communicator=hvd_acp.LocalCommunicator(),
                                        matrix_rank=2)
     assert opt.reducer.layouts["weight"].compressed
-    factors = [opt.reducer.p_factors["weight"].clone(), opt.reducer.q_factors["weight"].clone()]
+    factors = [opt.reducer.state.p_factors["weight"].clone(), opt.reducer.state.q_factors["weight"].clone()]
     for step in range(2):                     # a P step and a Q step
         before = emb.weight.detach().clone()
         opt.zero_grad()
@@ -513,8 +513,8 @@ def test_sparse_gradient_sent_apart_leaves_its_compression_state_alone():
         moved = (before - emb.weight.detach()).abs().sum(dim=1) > 0
         assert moved.nonzero().flatten().tolist() == [3, 5]       # exact, sparse update
     assert torch.count_nonzero(opt.reducer.errors["weight"]) == 0
-    assert torch.equal(opt.reducer.p_factors["weight"], factors[0])
-    assert torch.equal(opt.reducer.q_factors["weight"], factors[1])
+    assert torch.equal(opt.reducer.state.p_factors["weight"], factors[0])
+    assert torch.equal(opt.reducer.state.q_factors["weight"], factors[1])
 
 
 def test_sparse_gradient_without_a_sparse_reduction_names_the_way_out():

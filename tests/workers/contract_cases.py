@@ -175,7 +175,7 @@ def case_amp():
             assert step == 7, f"unexpected skip at step {step}"
             assert torch.equal(flat(model), before), "a non-finite step was applied"
         for name, tensor in list(opt.reducer.errors.items()) + list(
-                opt.reducer.p_factors.items()) + list(opt.reducer.q_factors.items()):
+                opt.reducer.state.p_factors.items()) + list(opt.reducer.state.q_factors.items()):
             assert torch.isfinite(tensor).all(), f"non-finite state in {name} at {step}"
         losses.append(loss.item())
     assert skipped == 1 and opt.reducer.nonfinite_steps == 1

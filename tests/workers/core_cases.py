@@ -76,8 +76,8 @@ class AcpSimulation:
     def __init__(self, opt):
         reducer = opt.reducer
         self.layouts = reducer.layouts
-        self.p = {n: f.clone() for n, f in reducer.p_factors.items()}
-        self.q = {n: f.clone() for n, f in reducer.q_factors.items()}
+        self.p = {n: f.clone() for n, f in reducer.state.p_factors.items()}
+        self.q = {n: f.clone() for n, f in reducer.state.q_factors.items()}
         self.errors = [{n: torch.zeros_like(e) for n, e in reducer.errors.items()}
                        for _ in range(hvd.size())]
 

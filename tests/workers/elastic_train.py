@@ -73,7 +73,7 @@ train(state)
 digest = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 gathered = hvd.allgather(digest.unsqueeze(0))
 identical = all(torch.equal(row, gathered[0]) for row in gathered)
-factors = torch.cat([f.reshape(-1) for f in opt.reducer.q_factors.values()])
+factors = torch.cat([f.reshape(-1) for f in opt.reducer.state.q_factors.values()])
 gathered_f = hvd.allgather(factors.unsqueeze(0))
 identical_factors = all(torch.equal(row, gathered_f[0]) for row in gathered_f)
 losses = state.losses
