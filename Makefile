@@ -39,5 +39,5 @@ grid: install
 
 # A few steps of every method on a small model, 2 ranks, localhost (no emulation), 2 rounds.
 bench-smoke: install
-	OMP_NUM_THREADS=1 $(PY) -m hvd_acp.bench --model small --np $(NP) --steps 4 --warmup 2 \
+	OMP_NUM_THREADS=1 $(PY) -m benchmarks --model small --np $(NP) --steps 4 --warmup 2 \
 		--rounds 2 --out bench-results/smoke

@@ -19,9 +19,10 @@ setup(
     extras_require={
         "horovod": ["horovod>=0.28"],
         "examples": ["scikit-learn", "tqdm", "matplotlib"],
+        # The planner's built-in models and plots, and the benchmark of the
+        # checkout (python -m benchmarks; not installed).
         "bench": ["transformers", "tqdm", "matplotlib"],
         "test": ["pytest", "pytest-timeout", "scikit-learn"],
     },
-    entry_points={"console_scripts": ["hvd-acp-bench=hvd_acp.bench.__main__:main",
-                                      "hvd-acp-plan=hvd_acp.plan.__main__:main"]},
+    entry_points={"console_scripts": ["hvd-acp-plan=hvd_acp.plan.__main__:main"]},
 )

@@ -3,7 +3,7 @@
     .venv/bin/python scripts/bench_doc.py
 
 Every table, verdict and picture between the markers below is rendered from
-a run directory's ``results.json`` (written by ``hvd-acp-bench --out DIR``)
+a run directory's ``results.json`` (written by ``python -m benchmarks --out DIR``)
 by the benchmark's own report code, so that every number and every
 comparison on those pages comes from a run that is in the repository, and a
 sentence saying that one method is faster than another is the verdict of
@@ -21,9 +21,10 @@ that run's interval:
 
 The hand-written parts around the markers are kept. A run ``DIR`` may have a
 second invocation of the same command in ``DIR_rerun``: the targets then say
-whether it passes ``hvd-acp-bench check`` against ``DIR``. A results.json
+whether it passes ``python -m benchmarks check`` against ``DIR``. A results.json
 written before ``--rounds`` existed still renders (as one round, with no
-intervals and no verdicts); its targets read "not assessed".
+intervals and no verdicts); its targets read "not assessed". Each run's
+command is shown as it runs from the checkout today (:func:`shown_command`).
 """
 from __future__ import annotations
 
@@ -37,13 +38,19 @@ from typing import Any, Dict, List, Optional, Tuple
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from hvd_acp.bench import check, report  # noqa: E402
+from benchmarks import check, report  # noqa: E402
+from benchmarks.__main__ import PROG  # noqa: E402
+from benchmarks.jobs import DIAGNOSTICS, FLOOR_JOB  # noqa: E402
+from hvd_acp.methods import label  # noqa: E402
 
 RUNS_MARKERS = ("<!-- runs -->", "<!-- end runs -->")
 TARGETS_MARKERS = ("<!-- targets -->", "<!-- end targets -->")
 BRIEF_MARKERS = ("<!-- results in brief -->", "<!-- end results in brief -->")
 TIME_MARKERS = ("<!-- time -->", "<!-- end time -->")
 RERUN_SUFFIX = "_rerun"
+#: How the results.json files in bench-results/ name the benchmark's command;
+#: with the same options it runs today as ``python -m benchmarks``.
+RECORDED_PROGRAM = "hvd-acp-bench"
 
 #: (directory under bench-results/, section title), in page order.
 RUNS = (
@@ -156,6 +163,12 @@ def _ratio_text(ratio: Dict[str, Any], digits: int = 2) -> str:
     return f"{ratio['median']:.{digits}f}x [{ratio['low']:.{digits}f}, {ratio['high']:.{digits}f}]"
 
 
+def shown_command(recorded: str) -> str:
+    """A run's recorded command line, as it runs from the checkout today."""
+    program, _, options = recorded.partition(" ")
+    return f"{PROG} {options}".rstrip() if program == RECORDED_PROGRAM else recorded
+
+
 def load(results_dir: Path, run: str) -> Optional[Dict[str, Any]]:
     """A run's results.json with its comparisons derived; ``None`` if absent."""
     path = results_dir / run / "results.json"
@@ -227,7 +240,7 @@ def targets_table(results_dir: Path) -> List[str]:
          [_floor_below_one(results) for _, _, results in runs]),
         (f"whole run (all rounds, all jobs) <= {MAX_MINUTES:g} min",
          [_duration(results) for _, _, results in runs]),
-        ("a second invocation passes `hvd-acp-bench check` against the committed run "
+        (f"a second invocation passes `{PROG} check` against the committed run "
          f"(bench-results/RUN{RERUN_SUFFIX}/)",
          [_rerun(results_dir, run) for run, _, _ in runs]),
     ]
@@ -252,7 +265,7 @@ def verdict_sentences(results: Dict[str, Any]) -> List[str]:
     for ratio in results.get("ratios", []):
         if ratio["what"] != "step":
             continue
-        a, b = report.NAMES.get(ratio["a"], ratio["a"]), report.NAMES.get(ratio["b"], ratio["b"])
+        a, b = report.name(ratio["a"]), report.name(ratio["b"])
         if ratio["b"] == report.FLOOR:
             words = {"slower": "is slower than the floor",
                      "same": "is not separable from the floor",
@@ -273,6 +286,7 @@ def verdict_sentences(results: Dict[str, Any]) -> List[str]:
 
 def run_section(results_dir: Path, run: str, title: str, img: Path, doc: Path) -> List[str]:
     results = load(results_dir, run)
+    results["config"]["command"] = shown_command(results["config"].get("command", ""))
     lines = report.markdown(results).splitlines()
     heading = lines[0].lstrip("# ").strip()
     body = []
@@ -288,8 +302,8 @@ def run_section(results_dir: Path, run: str, title: str, img: Path, doc: Path) -
     report.plot_breakdown(results, picture)
     rel = picture.relative_to(doc.parent).as_posix()
     return [f"## {title}", "",
-            f"{heading}; `bench-results/{run}/` ({results['config']['command'].split()[0]} "
-            f"outputs: results.json, results.md, breakdown.png, logs, per-rank raw results).",
+            f"{heading}; `bench-results/{run}/` (`{PROG}` outputs: results.json, "
+            "results.md, breakdown.png, logs, per-rank raw results).",
             "", *(line for sentence in verdict_sentences(results) for line in (sentence, "")),
             *body, "", f"![{title}]({rel})", ""]
 
@@ -345,12 +359,8 @@ def brief_table(results_dir: Path) -> List[str]:
 
 def time_table(results_dir: Path) -> List[str]:
     """Where the time goes: floor, diagnostics and Horovod's methods, with intervals."""
-    columns = (("compute_only", "floor (1 process)"),
-               ("compute-concurrent", "all ranks computing at once"),
-               ("hvd-idle", "same under Horovod, nothing all-reduced"),
-               ("ddp-idle", "same under torch.distributed"),
-               ("acp-local", "ACP-SGD compression, no communication (all ranks)"),
-               ("powersgd", "Power-SGD (hvd_acp)"), ("acp", "ACP-SGD"))
+    columns = (("compute_only", FLOOR_JOB.short), *((d.key, d.short) for d in DIAGNOSTICS),
+               *((m, label(m)) for m in ("powersgd", "acp")))
     lines = ["| run | " + " | ".join(label for _, label in columns)
              + " | tiny all-reduce, Horovod / Gloo (ms) |",
              "|---|" + "---:|" * (len(columns) + 1)]

@@ -10,8 +10,9 @@ Tasks:
 
 - ``digits``: the digits CNN (examples/train.py), once per seed in ``--seeds``;
 - ``digits-link``: the same runs with every rank in its own network
-  namespace behind an emulated ``--bandwidth`` link (hvd_acp.bench's
-  emulation; needs root, ``ip`` and ``tc``, else skipped with a message):
+  namespace behind an emulated ``--bandwidth`` link (the emulation of the
+  repository's benchmark, benchmarks/netem.py; needs root, ``ip`` and
+  ``tc``, else skipped with a message):
   accuracy against wall time where the network is the bottleneck;
 - ``lm``: the standard-library language model (examples/train_lm.py), once
   per seed in ``--lm-seeds``, plus the ACP-SGD setting that closes the gap
@@ -52,7 +53,10 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
 END_MARKER = "<!-- end of generated part -->"
+
+from hvd_acp.methods import HOROVOD, REGISTRY  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -89,7 +93,9 @@ class Task:
         return self.script[:-3] + ("_link" if self.link else "")
 
 
-METHODS = (("S-SGD", "ssgd", ()), ("Power-SGD", "powersgd", ()), ("ACP-SGD", "acp", ()))
+#: (row label, ``--optimizer`` of the examples, extra flags): the Horovod methods
+#: of hvd_acp.methods, each named by its algorithm.
+METHODS = tuple((m.algorithm, m.key, ()) for m in REGISTRY.values() if m.launcher == HOROVOD)
 # The settings that bring ACP-SGD within 2% of S-SGD on the LM (see lm-sweep).
 LM_ACP_SETTINGS = (("ACP-SGD, rank 48", "acp", ("--matrix-rank", "48")),
                    ("ACP-SGD, warm-up 300", "acp", ("--warmup-steps", "300")))
@@ -197,7 +203,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--report-only", action="store_true",
                         help="rebuild the report from the summaries already in --results")
     args = parser.parse_args(argv)
-    from hvd_acp.bench.stats import parse_bandwidth
+    from hvd_acp.plan.units import parse_bandwidth
     try:
         args.bandwidth_mbit = parse_bandwidth(args.bandwidth)
     except ValueError as exc:
@@ -271,8 +277,8 @@ def launch_on_link(net, cmd: Sequence[str], log: Path, timeout: float) -> int:
     per-slot environment. A rank that fails stops the others; on timeout
     everything is killed.
     """
-    from hvd_acp.bench.launch import JobError, run_job, stop
-    from hvd_acp.bench.rendezvous import rank_commands, start_server
+    from benchmarks.launch import JobError, run_job, stop
+    from benchmarks.rendezvous import rank_commands, start_server
 
     # Ranks started by hand: hvd_acp from this checkout, as horovodrun's would find it.
     env = dict(run_env(), PYTHONPATH=os.pathsep.join(
@@ -307,12 +313,12 @@ def run_all(tasks: List[Task], args) -> None:
     args.results.mkdir(parents=True, exist_ok=True)
     for task in tasks:
         if task.link:
-            from hvd_acp.bench.netem import emulation_problem
+            from benchmarks.netem import emulation_problem
             problem = emulation_problem()
             if problem:
                 print(f"[compare] skipping {task.name}: {problem}", flush=True)
                 continue
-            from hvd_acp.bench.netem import EmulatedNetwork
+            from benchmarks.netem import EmulatedNetwork
             with EmulatedNetwork(args.np, args.bandwidth_mbit) as net:
                 print(f"[compare] {task.name}: {net.describe()}", flush=True)
                 run_task(task, args, net)
@@ -708,7 +714,7 @@ def section_text(task: Task, args) -> Optional[str]:
         return None
     invocation = f"{_rel(Path(sys.argv[0]))} --tasks {task.name}"
     if task.link:
-        from hvd_acp.bench.netem import EmulatedNetwork
+        from benchmarks.netem import EmulatedNetwork
         invocation += f" --bandwidth {args.bandwidth}"
         where = (f"{args.np} ranks, each started by the script in its own network namespace "
                  f"with Horovod's Gloo rendezvous as `horovodrun` sets it up on a cluster: "

@@ -21,12 +21,12 @@ import time
 import torch
 
 import hvd_acp
-from hvd_acp.bench.models import build_model, default_matrix_rank
+from hvd_acp.plan.models import MODELS, build_model, default_matrix_rank
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="resnet50", choices=("small", "resnet50", "bert-base"))
+    parser.add_argument("--model", default="resnet50", choices=MODELS)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--matrix-rank", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=5)

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from bench_doc import replace_marked  # scripts/, beside this file
-from hvd_acp.plan.report import LABELS
+from hvd_acp.methods import label as method_label
 from hvd_acp.plan.timeline import METHODS
 
 MARKERS = ("<!-- validation -->", "<!-- end validation -->")
@@ -40,7 +40,7 @@ def _cal(row: dict) -> str:
 
 def table(rows: list) -> list:
     lines = ["| benchmark run | link | cycle | calibration | "
-             + " | ".join(LABELS[m] for m in METHODS) + " | worst |",
+             + " | ".join(method_label(m) for m in METHODS) + " | worst |",
              "|---|---:|---:|---|" + "---:|" * (len(METHODS) + 1)]
     for row in rows:
         digits = 3 if min(m["measured_step_s"] for m in row["methods"].values()) < 0.5 else 2
@@ -69,7 +69,7 @@ def summary(rows: list) -> list:
         within25 = sum(e <= 0.25 for e, _, _ in errors)
         worst = max(errors)
         out.append(f"{label}: {len(errors)} predictions, {within15} within 15%, {within25} "
-                   f"within 25%; worst {worst[0] * 100:.1f}% ({LABELS[worst[1]]}, {worst[2]})")
+                   f"within 25%; worst {worst[0] * 100:.1f}% ({method_label(worst[1])}, {worst[2]})")
     return out
 
 

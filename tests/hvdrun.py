@@ -88,7 +88,7 @@ def rank_lines(output: str, tag: str) -> list[str]:
 
 
 def _emulation_problem():
-    from hvd_acp.bench.netem import emulation_problem
+    from benchmarks.netem import emulation_problem
     return emulation_problem()
 
 

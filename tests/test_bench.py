@@ -12,14 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from hvd_acp.bench import report
-from hvd_acp.bench.driver import summarize_rounds
-from hvd_acp.bench.launch import Command, JobError, run_job
-from hvd_acp.bench.models import SmallNet, build_model, default_matrix_rank
-from hvd_acp.bench.stats import (combine_ranks, median_interval, order_statistic_rank,
-                                 paired_ratios, parse_bandwidth, parse_methods, percentile,
-                                 round_order, summarize_steps, tbf_burst_bytes, verdict)
-from hvd_acp.bench.worker import link_tx_bytes, powersgd_ddp_bytes_per_step
+from benchmarks import report
+from benchmarks.driver import summarize_rounds
+from benchmarks.launch import Command, JobError, run_job
+from benchmarks.stats import (combine_ranks, median_interval, order_statistic_rank,
+                              paired_ratios, parse_methods, percentile, round_order,
+                              summarize_steps, tbf_burst_bytes, verdict)
+from benchmarks.worker import link_tx_bytes, powersgd_ddp_bytes_per_step
+from hvd_acp.plan.models import SmallNet, build_model, default_matrix_rank
+from hvd_acp.plan.units import parse_bandwidth
 from tests.hvdrun import requires_emulation
 
 REPO = Path(__file__).resolve().parent.parent
@@ -207,7 +208,7 @@ def _results(figures, rounds=6):
                           "bandwidth_mbit": 100.0, "topology": "test", "steps": 4,
                           "warmup": 2, "image_size": None, "seq_len": None,
                           "threads_per_rank": 1, "cpus": 2, "horovod_cycle_time_ms": 10.0,
-                          "versions": {"hvd_acp": "0.1.0"}, "command": "hvd-acp-bench test",
+                          "versions": {"hvd_acp": "0.1.0"}, "command": "python -m benchmarks test",
                           "rounds": rounds},
                "rounds": rounds, "compute_only": entries.pop("compute"),
                "methods": entries, "notes": []}
@@ -290,7 +291,7 @@ def _write(path: Path, results) -> Path:
 
 
 def _check(*args):
-    from hvd_acp.bench import __main__ as cli
+    from benchmarks import __main__ as cli
     return cli.main(["check", *map(str, args)])
 
 
@@ -416,8 +417,18 @@ def test_models_build_with_a_fixed_batch():
         build_model("vgg", 2)
 
 
+def test_every_registered_method_is_a_job():
+    from benchmarks.jobs import JOBS
+    from hvd_acp.methods import KEYS, REGISTRY
+    assert parse_methods(",".join(KEYS)) == list(KEYS)
+    for key, method in REGISTRY.items():
+        job = JOBS[key]
+        assert job.method == key and job.launcher == method.launcher
+        assert job.label == method.title and report.name(key) == method.label
+
+
 def test_rendezvous_slot_env_matches_horovods_assignment():
-    from hvd_acp.bench.rendezvous import host_plan, slot_env
+    from benchmarks.rendezvous import host_plan, slot_env
     for slot in host_plan(3):
         env = slot_env(slot.rank, 3)
         assert env["HOROVOD_HOSTNAME"] == slot.hostname
@@ -456,14 +467,14 @@ def test_run_job_stops_the_others_when_one_fails(tmp_path):
 
 
 def test_bandwidth_without_root_is_a_clear_error(monkeypatch, capsys):
-    from hvd_acp.bench import __main__ as cli
+    from benchmarks import __main__ as cli
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert cli.main(["--model", "small", "--bandwidth", "100mbit", "--out", "unused"]) == 2
     assert "needs root" in capsys.readouterr().err
 
 
 def test_bad_arguments_exit_with_usage(capsys):
-    from hvd_acp.bench import __main__ as cli
+    from benchmarks import __main__ as cli
     with pytest.raises(SystemExit):
         cli.main(["--bandwidth", "fast"])
     assert "bandwidth must look like" in capsys.readouterr().err
@@ -471,7 +482,7 @@ def test_bad_arguments_exit_with_usage(capsys):
 
 # ---------------------------------------------------------------- real runs
 def _bench(out: Path, *args: str, timeout: float, rounds: int = 1) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "hvd_acp.bench", "--model", "small", "--np", "2",
+    cmd = [sys.executable, "-m", "benchmarks", "--model", "small", "--np", "2",
            "--steps", "3", "--warmup", "2", "--rounds", str(rounds), "--no-progress",
            "--out", str(out), *args]
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
@@ -590,7 +601,7 @@ def test_emulated_run_crosses_the_link_and_cleans_up(tmp_path):
 
 @requires_emulation
 def test_leftovers_of_a_dead_run_are_removed():
-    from hvd_acp.bench.netem import remove_leftovers
+    from benchmarks.netem import remove_leftovers
     dead = 4_000_000
     while Path(f"/proc/{dead}").exists():
         dead += 1

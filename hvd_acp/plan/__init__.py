@@ -1,15 +1,19 @@
 """Performance planner: profile one device, predict each method's step on a cluster.
 
 - :mod:`.cost`: ring and hierarchical all-reduce cost model (pure);
-- :mod:`.timeline`: one step of S-SGD, Power-SGD (hvd_acp and the DDP hook)
-  and ACP-SGD simulated from a profile (pure);
+- :mod:`.timeline`: one step of each method of :mod:`hvd_acp.methods` it
+  can simulate (S-SGD, Power-SGD on hvd_acp and the DDP hook, ACP-SGD),
+  from a profile (pure);
 - :mod:`.profile`: the measurements (torch), :func:`profile_model` for any model;
+- :mod:`.models`: the built-in models of ``--model``;
+- :mod:`.link`: link calibration files (a network stack's CPU cost per byte);
+- :mod:`.units`: command-line values (link rates, lists);
 - :mod:`.report`: plan.json, plan.md, plan.png and the recommendation;
 - :mod:`.validate`: a measured benchmark run predicted and compared;
 - ``python -m hvd_acp.plan`` / ``hvd-acp-plan``: the command line.
 
-Outside the core, like the benchmark: it reads the fusion plans the
-optimizer sends (:func:`hvd_acp.fusion.plan_buckets`), never the reverse.
+Outside the core: it reads the fusion plans the optimizer sends
+(:func:`hvd_acp.fusion.plan_buckets`), never the reverse.
 """
 from .cost import Network, allreduce_s, ring_allreduce_s
 from .timeline import METHODS, Settings, StepPrediction, predict_methods

@@ -4,9 +4,10 @@
 profile; ``hvd-acp-plan predict ...`` (or ``hvd-acp-plan`` with predict's
 options) predicts every method's step for a grid of clusters;
 ``hvd-acp-plan validate --bench RUN/results.json`` predicts a measured
-benchmark run and prints measured, predicted and error per method;
-``hvd-acp-plan calibrate-link --out link.json`` measures the CPU cost per
-byte of the benchmark's emulated network (root), for ``--link-calibration``.
+benchmark run and prints measured, predicted and error per method.
+``--link-calibration FILE`` reads the CPU cost per byte of a network stack,
+as the repository's benchmark measures it on its emulated network
+(``python -m benchmarks calibrate-link``).
 """
 from __future__ import annotations
 
@@ -14,37 +15,35 @@ import argparse
 import json
 import logging
 import shlex
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import List, Optional
 
-from ..bench.stats import number_type
-from .cost import parse_bandwidth_list, parse_int_list
+from .models import DEFAULT_BATCH_SIZE, MODELS
+from .units import number_type, parse_bandwidth_list, parse_int_list, positive_int
 
-MODELS = ("resnet50", "bert-base", "small")
-SUBCOMMANDS = ("profile", "predict", "validate", "calibrate-link")
+SUBCOMMANDS = ("profile", "predict", "validate")
 
 
-_positive = number_type(int, lambda v: v >= 1, "a positive int")
 _positive_float = number_type(float, lambda v: v > 0, "a positive number")
 _non_negative_float = number_type(float, lambda v: v >= 0, "a number >= 0")
 
 
 def _add_model_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--model", choices=MODELS, required=required,
-                   help="one of the benchmark's models, profiled on this machine")
-    p.add_argument("--batch-size", type=_positive, default=None,
-                   help="per rank (default: resnet50 8, bert-base 4, small 32)")
-    p.add_argument("--matrix-rank", type=_positive, default=None,
+                   help="a built-in model (hvd_acp.plan.models), profiled on this machine")
+    p.add_argument("--batch-size", type=positive_int, default=None,
+                   help="per rank (default: " + ", ".join(
+                       f"{m} {b}" for m, b in DEFAULT_BATCH_SIZE.items()) + ")")
+    p.add_argument("--matrix-rank", type=positive_int, default=None,
                    help="factor rank (default: 4 for resnet50 and small, 32 for bert-base)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    p.add_argument("--image-size", type=_positive, default=128)
-    p.add_argument("--seq-len", type=_positive, default=64)
-    p.add_argument("--steps", type=_positive, default=3, help="timed profiling steps (default 3)")
+    p.add_argument("--image-size", type=positive_int, default=128)
+    p.add_argument("--seq-len", type=positive_int, default=64)
+    p.add_argument("--steps", type=positive_int, default=3, help="timed profiling steps (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
-    p.add_argument("--repeats", type=_positive, default=3,
+    p.add_argument("--repeats", type=positive_int, default=3,
                    help="timed calls of each compression kernel (default 3)")
 
 
@@ -69,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="per-node link rates, comma-separated (tc units: 100mbit, 1gbit)")
     pred.add_argument("--latency-us", default="20",
                       help="latency of one ring step, microseconds, comma-separated")
-    pred.add_argument("--gpus-per-node", type=_positive, default=1,
+    pred.add_argument("--gpus-per-node", type=positive_int, default=1,
                       help="GPUs per node: > 1 prices hierarchical all-reduces")
     pred.add_argument("--intra-bandwidth", default=None,
                       help="rate between the GPUs of a node (needed with --gpus-per-node > 1)")
@@ -87,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     pred.add_argument("--wire-efficiency", type=_positive_float, default=None,
                       help="payload share of the link rate (default 1448/1514, TCP on Ethernet)")
     pred.add_argument("--link-calibration", type=Path, default=None,
-                      help="a calibrate-link file: add its network stack's CPU cost per byte "
-                           "to every all-reduce (default: none, as where the NIC does it)")
+                      help="a link calibration (python -m benchmarks calibrate-link): add "
+                           "its network stack's CPU cost per byte to every all-reduce "
+                           "(default: none, as where the NIC does it)")
     pred.add_argument("--host-serial", action="store_true",
                       help="the collectives' host work delays computation (no spare core per "
                            "rank, e.g. a CPU cluster with a rank per core)")
@@ -99,29 +99,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     val = sub.add_parser("validate", help="predict a measured benchmark run and compare")
     val.add_argument("--bench", type=Path, required=True, nargs="+",
-                     help="one or more hvd-acp-bench results.json")
+                     help="one or more results.json of the benchmark (python -m benchmarks)")
     val.add_argument("--profile", type=Path, default=None,
                      help="a profile of the run's model and batch (default: profile it here, "
                           "once per distinct model, batch and rank)")
     val.add_argument("--link-calibration", type=Path, default=None,
-                     help="a calibrate-link file of this machine: the emulated network's CPU "
-                          "cost per byte, added to every all-reduce")
+                     help="a link calibration of this machine (python -m benchmarks "
+                          "calibrate-link): the emulated network's CPU cost per byte, added "
+                          "to every all-reduce")
     val.add_argument("--no-calibration", action="store_true",
                      help="use the profile's times as they are (no floor-based scale)")
     val.add_argument("--max-error", type=_positive_float, default=None,
                      help="exit 1 if a method's |error| exceeds this fraction (e.g. 0.15)")
-    val.add_argument("--repeats", type=_positive, default=3)
-    val.add_argument("--steps", type=_positive, default=3)
+    val.add_argument("--repeats", type=positive_int, default=3)
+    val.add_argument("--steps", type=positive_int, default=3)
     val.add_argument("--out", type=Path, default=None, help="write validate.json and validate.md")
-
-    link = sub.add_parser("calibrate-link",
-                          help="CPU cost per byte of the benchmark's emulated network (root)")
-    link.add_argument("--rates", default="1gbit,10gbit",
-                      help="link rates to measure at, comma-separated (default 1gbit,10gbit)")
-    link.add_argument("--megabytes", type=_positive, default=256,
-                      help="bytes sent per transfer, MiB (default 256)")
-    link.add_argument("--repeats", type=_positive, default=3)
-    link.add_argument("--out", type=Path, required=True, help="link.json to write")
     return parser
 
 
@@ -144,7 +136,6 @@ def _read_link(path: Optional[Path]) -> Optional[dict]:
 
 def _builtin(args) -> dict:
     from .profile import profile_builtin
-    from ..bench.__main__ import DEFAULT_BATCH_SIZE
     return profile_builtin(args.model, args.batch_size or DEFAULT_BATCH_SIZE[args.model],
                            matrix_rank=args.matrix_rank, device=args.device,
                            image_size=args.image_size, seq_len=args.seq_len, steps=args.steps,
@@ -174,35 +165,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 0
         if args.command == "predict":
             return _predict(parser, args, command)
-        if args.command == "calibrate-link":
-            return _calibrate_link(args, command)
         return _validate(args)
     except FileNotFoundError as exc:
         return _fail(str(exc))
     except ValueError as exc:
         return _fail(str(exc))
-
-
-def _calibrate_link(args, command: str) -> int:
-    from ..bench.netem import NetworkSetupError
-    from .link import BusyMachine, calibrate_link
-    rates = parse_bandwidth_list(args.rates)
-    try:
-        link = calibrate_link(rates, nbytes=args.megabytes << 20, repeats=args.repeats)
-    except NetworkSetupError as exc:
-        return _fail(str(exc))
-    except BusyMachine as exc:
-        print(f"hvd-acp-plan: {exc}", file=sys.stderr)
-        return 1
-    link["command"] = command
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(link, indent=1) + "\n")
-    for row in link["per_rate"]:
-        print(f"{row['rate_mbit']:g} Mbit/s: {row['stack_s_per_byte'] * 1e9:.2f} ns per byte "
-              f"sent and received (achieved "
-              f"{statistics.median(row['achieved_mbit']):.0f} Mbit/s)")
-    print(f"wrote {args.out}")
-    return 0
 
 
 def _predict(parser, args, command: str) -> int:

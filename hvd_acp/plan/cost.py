@@ -13,9 +13,9 @@ frame that is payload), and ``gamma`` the host's own cost per byte it sends
 and receives (copies into and out of the fusion buffer, the reduction, the
 network stack): the collective's own work measured by the profile on the
 device (``host_s_per_byte``, see :mod:`.profile`) plus, between nodes, the
-kernel's network stack (``stack_s_per_byte``, measured by
-:mod:`.link` on the benchmark's emulated network; about 0 where the NIC
-does that work). With ``G`` GPUs per node (``N = G * M``) the
+kernel's network stack (``stack_s_per_byte``, measured on the benchmark's
+emulated network and read by :mod:`.link`; about 0 where the NIC does that
+work). With ``G`` GPUs per node (``N = G * M``) the
 hierarchical variant reduces inside each node first (a ring over ``G`` at
 the intra-node rate), all-reduces across the ``M`` nodes (the node's link
 carries all of its GPUs' shards) and gathers inside the node again.
@@ -26,8 +26,7 @@ import dataclasses
 import math
 from typing import Optional
 
-__all__ = ["Network", "ETHERNET_PAYLOAD_SHARE", "ring_allreduce_s", "allreduce_s",
-           "parse_bandwidth_list", "parse_int_list"]
+__all__ = ["Network", "ETHERNET_PAYLOAD_SHARE", "ring_allreduce_s", "allreduce_s"]
 
 #: Payload share of a full Ethernet frame carrying TCP/IPv4 with timestamps:
 #: 1448 payload bytes of the 1514 a 1500-byte MTU frame puts on the link.
@@ -128,39 +127,3 @@ def allreduce_s(nbytes: float, ranks: int, net: Network) -> float:
     return (ring_allreduce_s(nbytes, g, intra_bps, net.intra_latency_s, net.host_s_per_byte)
             + ring_allreduce_s(nbytes, nodes, net.payload_bytes_per_s, net.latency_s,
                                net.host_s_per_byte + net.stack_s_per_byte))
-
-
-def parse_bandwidth_list(text: str):
-    """``"1gbit,10gbit"`` -> ``[1000.0, 10000.0]`` (Mbit/s), in the benchmark's units."""
-    from ..bench.stats import parse_bandwidth
-    values = []
-    for item in text.split(","):
-        if not item.strip():
-            continue
-        value = parse_bandwidth(item)
-        if value is None:
-            raise ValueError(f"bandwidth must be a rate such as 1gbit, got {item!r}")
-        values.append(value)
-    if not values:
-        raise ValueError(f"bandwidth must list at least one rate, got {text!r}")
-    return values
-
-
-def parse_int_list(text: str, what: str = "np"):
-    """``"2,8,32"`` -> ``[2, 8, 32]``; every value a positive int."""
-    values = []
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        try:
-            value = int(item)
-        except ValueError:
-            raise ValueError(f"{what} must be a comma-separated list of positive ints, got "
-                             f"{item!r} in {text!r}") from None
-        if value < 1:
-            raise ValueError(f"{what} must be positive ints, got {value} in {text!r}")
-        values.append(value)
-    if not values:
-        raise ValueError(f"{what} must list at least one value, got {text!r}")
-    return values

@@ -6,12 +6,13 @@ Measured in one process, no communication:
 - per parameter, ``ready_s``: when in backward its gradient is accumulated
   (a post-accumulate-grad hook; on CUDA the hook synchronizes the device
   first, so the time is when the kernels are done);
-- per compressed parameter, the maths of :mod:`hvd_acp.compression` timed
-  on tensors of its shape and dtype: ACP-SGD's P and Q step (``acp_p_s``,
-  ``acp_q_s``: error feedback, projection, local residual), Power-SGD's two
-  halves (``psgd_p_s``, ``psgd_q_s``) and the reconstruction
-  (``reconstruct_s``), and ACP-SGD's step-ahead shift and restore of the
-  parameter (``step_ahead_s``, :mod:`hvd_acp.stepahead`); the batched
+- per compressed parameter, the per-parameter step every front end runs
+  (:class:`hvd_acp.state.CompressedTensor`) timed on a tensor of its shape
+  and dtype: ACP-SGD's P and Q step (``acp_p_s``, ``acp_q_s``: error
+  feedback, projection, local residual), Power-SGD's two projections
+  (``psgd_p_s``, ``psgd_q_s``) and the reconstruction (``reconstruct_s``),
+  and ACP-SGD's step-ahead shift and restore of the parameter
+  (``step_ahead_s``, :mod:`hvd_acp.stepahead`); the batched
   orthonormalizations of each step;
 - the fused buffers each method sends, from :func:`hvd_acp.fusion.plan_buckets`
   (the optimizer's own plan) and DDP's buckets for the DDP hook;
@@ -31,9 +32,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..compression import (Phase, compress_, compute_dtype, local_residual_, orthonormalize_,
-                           project_, reconstruct_)
+from ..compression import Phase, compute_dtype, orthonormalize_
 from ..fusion import make_layouts, plan_buckets
+from ..state import CompressedTensor
 
 logger = logging.getLogger(__name__)
 
@@ -117,51 +118,42 @@ def _host_s_per_byte(device: torch.device, repeats: int, nbytes: int = 16 * 1024
     return _timed(work, device, repeats) / nbytes
 
 
-def _time_compression(lay, device: torch.device, repeats: int, gen: torch.Generator) -> Dict:
+def _time_compression(tensor: CompressedTensor, device: torch.device, repeats: int,
+                      gen: torch.Generator) -> Dict:
+    """Seconds of each step of ``tensor`` on a random gradient, as the front ends run them."""
+    lay = tensor.layout
     n, m, r, dtype = lay.n, lay.m, lay.r, lay.dtype
 
     def rand(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float32).to(dtype=dtype,
                                                                         device=device)
-    grad, error = rand(n, m), rand(n, m) * 0.01
+    grad = rand(n, m)
+    tensor.error.copy_(rand(n, m) * 0.01)
     qh = torch.linalg.qr(rand(m, r))[0]
     ph = torch.linalg.qr(rand(n, r))[0]
     out_p, out_q = torch.empty(n, r, dtype=dtype, device=device), \
         torch.empty(m, r, dtype=dtype, device=device)
     target = torch.empty(n, m, dtype=dtype, device=device)
-
-    def acp_p():
-        compress_(grad, error, qh, out_p)
-        local_residual_(error, out_p, qh)
-
-    def acp_q():
-        compress_(grad.t(), error.t(), ph, out_q)
-        local_residual_(error.t(), out_q, ph)
-
-    def psgd_p():
-        compress_(grad, error, qh, out_p)
-
-    def psgd_q():
-        project_(error.t(), ph, out_q)
-        local_residual_(error.t(), out_q, ph)
-
-    def recon():
-        reconstruct_(target, ph, out_q)
-
     weight, anchor = rand(n, m), torch.empty(n, m, dtype=dtype, device=device)
 
     def step_ahead():
         # StepAhead.apply (keep the true weights, shift by the residual) and
         # StepAhead.restore, as the optimizer runs them around each forward.
         anchor.copy_(weight)
-        weight.sub_(error, alpha=1e-3)
+        weight.sub_(tensor.error, alpha=1e-3)
         weight.copy_(anchor)
 
-    return {"acp_p_s": _timed(acp_p, device, repeats), "acp_q_s": _timed(acp_q, device, repeats),
-            "psgd_p_s": _timed(psgd_p, device, repeats),
-            "psgd_q_s": _timed(psgd_q, device, repeats),
-            "reconstruct_s": _timed(recon, device, repeats),
-            "step_ahead_s": _timed(step_ahead, device, repeats)}
+    steps = {
+        "acp_p_s": lambda: tensor.compress_(Phase.P, grad, qh, out_p),
+        "acp_q_s": lambda: tensor.compress_(Phase.Q, grad, ph, out_q),
+        # Power-SGD: P on the last Q (its residual left to the second
+        # projection), then Q of the residual on the orthonormalized P.
+        "psgd_p_s": lambda: tensor.compress_(Phase.P, grad, tensor.q, out_p, residual=False),
+        "psgd_q_s": lambda: tensor.compress_(Phase.Q, None, ph, out_q),
+        "reconstruct_s": lambda: tensor.reconstruct_(Phase.Q, out_q, ph, target),
+        "step_ahead_s": step_ahead,
+    }
+    return {key: _timed(fn, device, repeats) for key, fn in steps.items()}
 
 
 def _bucket_dicts(buckets) -> List[dict]:
@@ -260,9 +252,10 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
                  "got_gradient": bool(ready[name]), "compressed": lay.compressed,
                  "n": lay.n, "m": lay.m, "r": lay.r}
         if lay.compressed:
-            entry.update(_time_compression(lay, dev, repeats, gen))
-            p_factors.append(torch.randn(lay.n, lay.r, generator=gen).to(dev, lay.dtype))
-            q_factors.append(torch.randn(lay.m, lay.r, generator=gen).to(dev, lay.dtype))
+            tensor = CompressedTensor(lay, gen, dev)
+            entry.update(_time_compression(tensor, dev, repeats, gen))
+            p_factors.append(tensor.p)
+            q_factors.append(tensor.q)
         r_ddp = max(0, min(lay.n, lay.m, matrix_rank))
         ddp_compressed = len(lay.shape) >= 2 and r_ddp > 0 and _ddp_should_compress(
             lay.n, lay.m, r_ddp, min_compression_rate)
@@ -322,8 +315,8 @@ def _to(batch, device: torch.device):
 def profile_builtin(model: str, batch_size: int, *, matrix_rank: Optional[int] = None,
                     device: str = "cpu", image_size: int = 128, seq_len: int = 64,
                     steps: int = 3, warmup: int = 1, repeats: int = 3) -> dict:
-    """Profile one of the benchmark's models (:func:`hvd_acp.bench.models.build_model`)."""
-    from ..bench.models import build_model, default_matrix_rank
+    """Profile one of the built-in models (:func:`.models.build_model`)."""
+    from .models import build_model, default_matrix_rank
     rank = matrix_rank or default_matrix_rank(model)
     spec = build_model(model, batch_size, image_size=image_size, seq_len=seq_len)
     out = profile_model(spec.model, spec.batch, spec.loss_fn, matrix_rank=rank, device=device,

@@ -6,14 +6,12 @@ import math
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from ..methods import get, label
 from .cost import Network
 from .link import stack_s_per_byte
 from .timeline import METHODS, Settings, predict_methods
 
-__all__ = ["LABELS", "predict_grid", "recommend", "crossovers", "write_plan", "format_plan_md"]
-
-LABELS = {"ssgd": "S-SGD", "powersgd": "Power-SGD (hvd_acp)",
-          "powersgd-ddp": "Power-SGD (DDP hook)", "acp": "ACP-SGD"}
+__all__ = ["predict_grid", "recommend", "crossovers", "write_plan", "format_plan_md"]
 
 
 def _fmt_bw(mbit: float) -> str:
@@ -35,7 +33,7 @@ def recommend(methods: Dict[str, dict], matrix_rank: int, np: int, bandwidth_mbi
     b, s = methods[best], methods["ssgd"]
     where = f"at {np} ranks and {_fmt_bw(bandwidth_mbit)}"
     if best != "ssgd" and s["step_s"] < (1.0 + MIN_GAIN) * b["step_s"]:
-        reason = (f"S-SGD is recommended {where}: the fastest compressor, {LABELS[best]}, "
+        reason = (f"S-SGD is recommended {where}: the fastest compressor, {label(best)}, "
                   f"is predicted only {s['step_s'] / b['step_s']:.2f}x faster "
                   f"({b['step_s']:.3f} s against {s['step_s']:.3f} s per step), inside the "
                   f"planner's error; exact gradients cost nothing here.")
@@ -45,10 +43,10 @@ def recommend(methods: Dict[str, dict], matrix_rank: int, np: int, bandwidth_mbi
         r = methods[runner]
         reason = (f"S-SGD is predicted fastest {where} ({s['step_s']:.3f} s per step): its "
                   f"{s['exposed_comm_s']:.3f} s of exposed communication costs less than "
-                  f"{LABELS[runner]}'s {r['compression_s']:.3f} s of compression plus "
+                  f"{label(runner)}'s {r['compression_s']:.3f} s of compression plus "
                   f"{max(r['exposed_comm_s'], 0):.3f} s exposed ({r['step_s']:.3f} s per step).")
         return {"method": best, "matrix_rank": None, "reason": reason}
-    reason = (f"{LABELS[best]} is predicted fastest {where}: {b['step_s']:.3f} s per step, "
+    reason = (f"{label(best)} is predicted fastest {where}: {b['step_s']:.3f} s per step, "
               f"{s['step_s'] / b['step_s']:.2f}x S-SGD, sending {b['bytes_per_step'] / 1e6:.2f} MB "
               f"per rank per step instead of {s['bytes_per_step'] / 1e6:.1f} MB.")
     return {"method": best, "matrix_rank": matrix_rank, "reason": reason}
@@ -131,7 +129,7 @@ def format_plan_md(plan: dict) -> str:
                 f"{_fmt_bw(cfg['intra_bandwidth_mbit'])}" if cfg.get("gpus_per_node", 1) > 1
                 else "") + ".", "",
              "Step times in seconds, predicted; speedup = S-SGD's step / the method's.", "",
-             "| ranks | link | latency (us) | " + " | ".join(LABELS[m] for m in METHODS)
+             "| ranks | link | latency (us) | " + " | ".join(label(m) for m in METHODS)
              + " | recommended |",
              "|---:|---|---:|" + "---:|" * len(METHODS) + "---|"]
     for e in plan["predictions"]:
@@ -139,11 +137,11 @@ def format_plan_md(plan: dict) -> str:
                  for m in METHODS]
         rec = e["recommendation"]
         lines.append(f"| {e['np']} | {_fmt_bw(e['bandwidth_mbit'])} | {e['latency_us']:g} | "
-                     + " | ".join(cells) + f" | {LABELS[rec['method']]}"
+                     + " | ".join(cells) + f" | {label(rec['method'])}"
                      + (f", rank {rec['matrix_rank']}" if rec["matrix_rank"] else "") + " |")
     lines += ["", "Where the time goes (seconds per step: compute / compression / exposed "
               "communication; MB per rank per step):", "",
-              "| ranks | link | " + " | ".join(LABELS[m] for m in METHODS) + " |",
+              "| ranks | link | " + " | ".join(label(m) for m in METHODS) + " |",
               "|---:|---|" + "---|" * len(METHODS)]
     for e in plan["predictions"]:
         cells = [f"{p['compute_s']:.3f} / {p['compression_s']:.3f} / {p['exposed_comm_s']:.3f}; "
@@ -154,7 +152,7 @@ def format_plan_md(plan: dict) -> str:
         lines += ["", "Crossover bandwidths (a compressor's step equals S-SGD's; below it the "
                   "compressor is faster):", "", "| ranks | method | bandwidth |", "|---:|---|---:|"]
         for c in plan["crossovers"]:
-            lines.append(f"| {c['np']} | {LABELS[c['method']]} | {_fmt_bw(round(c['bandwidth_mbit'], 0))} |")
+            lines.append(f"| {c['np']} | {label(c['method'])} | {_fmt_bw(round(c['bandwidth_mbit'], 0))} |")
     lines += ["", "Recommendations:", ""]
     for e in plan["predictions"]:
         lines.append(f"- {e['recommendation']['reason']}")
@@ -169,8 +167,7 @@ def _plot(plan: dict, profile: dict, opts: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     cfg = plan["config"]
     nps, bws, lat = cfg["np"], cfg["bandwidth_mbit"], cfg["latency_us"][0]
-    colors = {"ssgd": "tab:gray", "powersgd": "tab:blue", "powersgd-ddp": "tab:cyan",
-              "acp": "tab:red"}
+    colors = {m: get(m).color for m in METHODS}
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     np_big = max(nps)
     lo, hi = min(bws) / 10, max(bws) * 10
@@ -181,7 +178,7 @@ def _plot(plan: dict, profile: dict, opts: dict, path: Path) -> None:
         for m in METHODS:
             curves[m].append(preds[m].step_s)
     for m in METHODS:
-        left.plot([g / 1000 for g in grid], curves[m], label=LABELS[m], color=colors[m])
+        left.plot([g / 1000 for g in grid], curves[m], label=label(m), color=colors[m])
     for c in plan.get("crossovers", []):
         if c["np"] == np_big and lo <= c["bandwidth_mbit"] <= hi:
             left.axvline(c["bandwidth_mbit"] / 1000, color=colors[c["method"]], ls=":")
@@ -196,7 +193,7 @@ def _plot(plan: dict, profile: dict, opts: dict, path: Path) -> None:
             ys = [e["methods"][m]["step_s"] for e in plan["predictions"]
                   if e["bandwidth_mbit"] == bw and e["latency_us"] == lat]
             right.plot(nps, ys, color=colors[m], ls=styles[k % 4], marker="o", ms=3,
-                       label=f"{LABELS[m]}, {_fmt_bw(bw)}")
+                       label=f"{label(m)}, {_fmt_bw(bw)}")
     right.set(xscale="log", yscale="log", xlabel="ranks", ylabel="step time (s)",
               title="step time against the number of ranks")
     right.legend(fontsize=6, ncol=2)

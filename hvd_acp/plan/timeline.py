@@ -42,13 +42,12 @@ import dataclasses
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..methods import KEYS
 from .cost import Network, allreduce_s
 
 __all__ = ["Settings", "StepPrediction", "HorovodThread", "predict_methods", "METHODS",
            "HOROVOD_FUSION_BYTES", "horovod_tiny_allreduce_s"]
 
-#: Methods predicted, in report order.
-METHODS = ("ssgd", "powersgd", "powersgd-ddp", "acp")
 #: Horovod's default HOROVOD_FUSION_THRESHOLD (64 MiB).
 HOROVOD_FUSION_BYTES = 64 * 1024 * 1024
 
@@ -372,22 +371,25 @@ def _mean(preds: Sequence[StepPrediction]) -> StepPrediction:
     return StepPrediction(**{f: sum(getattr(p, f) for p in preds) / len(preds) for f in fields})
 
 
+#: How each method's step is simulated (the mean over the cycle's phases, and
+#: for ACP-SGD over its alternating P and Q steps).
+_PREDICTORS = {
+    "ssgd": lambda profile, settings: _mean([_predict_ssgd(profile, settings, o)
+                                             for o in _phases(settings)]),
+    "powersgd": lambda profile, settings: _mean([_predict_powersgd(profile, settings, o)
+                                                 for o in _phases(settings)]),
+    "powersgd-ddp": _predict_powersgd_ddp,
+    "acp": lambda profile, settings: _mean([_predict_acp_phase(profile, settings, o, ph)
+                                            for o in _phases(settings) for ph in ("P", "Q")]),
+}
+#: Methods predicted: those of :mod:`hvd_acp.methods` simulated here, in report order.
+METHODS = tuple(key for key in KEYS if key in _PREDICTORS)
+
+
 def predict_methods(profile: dict, settings: Settings,
                     methods: Sequence[str] = METHODS) -> Dict[str, StepPrediction]:
     """One predicted step per method (see the module docstring)."""
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"methods must be among {METHODS}, got {unknown}")
-    phases = _phases(settings)
-    out = {}
-    for method in methods:
-        if method == "ssgd":
-            out[method] = _mean([_predict_ssgd(profile, settings, o) for o in phases])
-        elif method == "powersgd":
-            out[method] = _mean([_predict_powersgd(profile, settings, o) for o in phases])
-        elif method == "powersgd-ddp":
-            out[method] = _predict_powersgd_ddp(profile, settings)
-        else:
-            out[method] = _mean([_predict_acp_phase(profile, settings, o, ph)
-                                 for o in phases for ph in ("P", "Q")])
-    return out
+    return {method: _PREDICTORS[method](profile, settings) for method in methods}

@@ -37,9 +37,9 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from ..methods import label
 from .cost import Network
 from .link import stack_s_per_byte
-from .report import LABELS
 from .timeline import METHODS, Settings, horovod_tiny_allreduce_s, predict_methods
 
 __all__ = ["load_bench", "calibration", "latency", "validate", "format_validation"]
@@ -50,7 +50,7 @@ def load_bench(path: Path) -> dict:
     data = json.loads(Path(path).read_text())
     for key in ("config", "methods", "compute_only"):
         if key not in data:
-            raise ValueError(f"{path}: not a hvd-acp-bench results.json (no {key!r})")
+            raise ValueError(f"{path}: not a results.json of the benchmark (python -m benchmarks; no {key!r})")
     if not data["config"].get("bandwidth_mbit"):
         raise ValueError(f"{path}: the run has no emulated bandwidth (plain localhost); "
                          "its link rate is unknown, so it cannot be predicted")
@@ -154,11 +154,11 @@ def format_validation(result: dict, name: str = "") -> str:
              "(s) | predicted compression (s) |", "|---|---:|---:|---:|---:|---:|"]
     for m, row in result["methods"].items():
         mc = row["measured_compression_s"]
-        lines.append(f"| {LABELS[m]} | {row['measured_step_s']:.3f} | "
+        lines.append(f"| {label(m)} | {row['measured_step_s']:.3f} | "
                      f"{row['predicted_step_s']:.3f} | {row['error'] * 100:+.1f}% | "
                      f"{'' if mc is None else f'{mc:.3f}'} | "
                      f"{row['predicted']['compression_s']:.3f} |")
     if result["worst_method"]:
-        lines += ["", f"worst: {LABELS[result['worst_method']]}, "
+        lines += ["", f"worst: {label(result['worst_method'])}, "
                       f"{result['worst_abs_error'] * 100:.1f}%"]
     return "\n".join(lines) + "\n"

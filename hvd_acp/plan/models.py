@@ -1,4 +1,4 @@
-"""Models and synthetic batches of the benchmark.
+"""The built-in models: ``hvd-acp-plan --model NAME`` and the repository's benchmark.
 
 ``resnet50`` and ``bert-base`` are built from ``transformers`` configs with
 random weights (nothing is downloaded); ``small`` is a little MLP for smoke
@@ -13,10 +13,13 @@ from typing import Callable, Dict
 import torch
 from torch import Tensor, nn
 
-__all__ = ["MODELS", "ModelSpec", "build_model", "default_matrix_rank"]
+__all__ = ["MODELS", "DEFAULT_BATCH_SIZE", "ModelSpec", "SmallNet", "build_model",
+           "default_matrix_rank"]
 
 #: Model names accepted by ``--model``.
 MODELS = ("resnet50", "bert-base", "small")
+#: Default batch size per rank of each model.
+DEFAULT_BATCH_SIZE = {"resnet50": 8, "bert-base": 4, "small": 32}
 
 #: Default ``matrix_rank`` per model, as in the ACP-SGD paper (4 for CNNs,
 #: 32 for transformers).
@@ -85,7 +88,7 @@ def build_model(name: str, batch_size: int, *, image_size: int = 128, seq_len: i
     The weights are identical in every process that calls this with the same
     arguments, so ranks start from the same model without a broadcast (a
     broadcast of BERT's 440 MB would take half a minute on a 100 Mbit/s link).
-    The global RNG is reseeded: this is a benchmark entry point, not library code.
+    The global RNG is reseeded: this builds a model to measure, not one to train.
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")

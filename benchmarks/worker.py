@@ -1,12 +1,12 @@
-"""One rank of one benchmark job: ``python -m hvd_acp.bench.worker --method ...``.
+"""One rank of one benchmark job: ``python -m benchmarks.worker --method JOB ...``.
 
-Launched by the driver (:mod:`hvd_acp.bench.driver`) under ``horovodrun``
-(``ssgd``, ``powersgd``, ``acp``), ``torchrun`` (``powersgd-ddp``, ``acp-ddp``), once per
-rank inside a network namespace when the link is emulated, or as one plain
-process (``compute``, the floor). It trains the model on a fixed synthetic
-batch for ``--warmup`` untimed steps and ``--steps`` timed ones and writes
-``<result-dir>/<method>.rank<r>.json`` with the step times and the counters
-accumulated over the timed steps.
+Launched by the driver (:mod:`.driver`) as its job says (:mod:`.jobs`): under
+``horovodrun`` or ``torchrun`` (a method of :mod:`hvd_acp.methods`, or an idle
+diagnostic), once per rank inside a network namespace when the link is
+emulated, or as plain processes (the floor, the local diagnostics). It
+trains the model on a fixed synthetic batch for ``--warmup`` untimed steps
+and ``--steps`` timed ones and writes ``<result-dir>/<job>.rank<r>.json``
+with the step times and the counters accumulated over the timed steps.
 """
 from __future__ import annotations
 
@@ -24,30 +24,27 @@ from typing import Any, Callable, Dict, List
 
 import torch
 
-from .models import build_model
+from hvd_acp.methods import HOROVOD, TORCHRUN, Distributed, Method
+from hvd_acp.methods import get as get_method
+from hvd_acp.plan.models import build_model
 
-PROGRESS_TAG = "@@hvd_acp.bench"
+from .jobs import JOBS, LOCAL, Job
+from .jobs import get as get_job
 
-HOROVOD_METHODS = ("ssgd", "powersgd", "acp")
-#: Diagnostics (``--diagnostics``): where the time over the floor comes from.
-#: ``compute-concurrent`` and ``acp-local`` run as ``np`` independent processes
-#: at once (``--rank``), ``hvd-idle`` under Horovod like the methods,
-#: ``ddp-idle`` under torchrun like the DDP methods. The two idle jobs also
-#: time a tiny all-reduce after their steps (:func:`probe_tiny_allreduce`).
-DIAGNOSTICS = ("compute-concurrent", "hvd-idle", "ddp-idle", "acp-local")
-#: Timed tiny all-reduces of the idle diagnostics.
+PROGRESS_TAG = "@@benchmarks"
+
+#: Timed tiny all-reduces of the jobs with ``probe`` (the idle diagnostics).
 PROBE_CALLS = 20
-#: DDP with a communication hook: torch's ``powerSGD_hook`` or hvd_acp's ``acp_hook``.
-DDP_METHODS = ("powersgd-ddp", "acp-ddp")
-#: Jobs launched like horovodrun's ranks, and like torchrun's (Gloo process group).
-HOROVOD_JOBS = HOROVOD_METHODS + ("hvd-idle",)
-GLOO_JOBS = DDP_METHODS + ("ddp-idle",)
-WORKER_METHODS = HOROVOD_METHODS + DDP_METHODS + ("compute",) + DIAGNOSTICS
+#: The settings of DistributedDataParallel in the DDP methods: the ranks build
+#: identical weights (seeded), so the initial broadcast is skipped; buffers
+#: are not synchronized either, as with Horovod.
+DDP_OPTIONS = {"init_sync": False, "broadcast_buffers": False}
 
 
 def _parse(argv: List[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m hvd_acp.bench.worker")
-    parser.add_argument("--method", required=True, choices=WORKER_METHODS)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.worker")
+    parser.add_argument("--method", required=True, choices=tuple(JOBS),
+                        help="the job (benchmarks.jobs)")
     parser.add_argument("--model", required=True)
     parser.add_argument("--batch-size", type=int, required=True)
     parser.add_argument("--matrix-rank", type=int, required=True)
@@ -82,7 +79,7 @@ def link_tx_bytes(iface: str, proc_net_dev: str = "/proc/net/dev") -> int:
     raise RuntimeError(f"interface {iface!r} not found in {proc_net_dev}")
 
 
-# --------------------------------------------------------------- DDP peer
+# ------------------------------------------------- torch's powerSGD_hook, counted
 class _PowerSGDHookProbe:
     """Counts what torch's ``powerSGD_hook`` all-reduces and times its maths.
 
@@ -146,30 +143,6 @@ class _PowerSGDHookProbe:
                 self.compression_seconds += spent
 
 
-def serialized_hook(hook: Callable) -> Callable:
-    """``hook`` (a DDP comm hook) run for one bucket at a time.
-
-    ``powerSGD_hook`` starts its second and third all-reduce (P, then Q)
-    from future callbacks on Gloo's threads while backward goes on and hooks
-    the next bucket from the autograd thread. With Gloo and more than one
-    bucket the ranks can then issue collectives in different orders: the job
-    aborts ("Received data size doesn't match expected size") or hangs. Waiting
-    for the previous bucket's chain before starting the next one keeps the
-    order identical on every rank; a bucket's communication still overlaps
-    the backward of the layers before it.
-    """
-    pending = []
-
-    @functools.wraps(hook)
-    def wrapper(state, bucket):
-        if pending:
-            pending.pop().wait()
-        future = hook(state, bucket)
-        pending.append(future)
-        return future
-    return wrapper
-
-
 def powersgd_ddp_bytes_per_step(model: torch.nn.Module, matrix_rank: int,
                                 min_compression_rate: float = 2.0) -> int:
     """Bytes one rank all-reduces per step under ``powerSGD_hook``, from the shapes.
@@ -222,114 +195,110 @@ def _train(spec, optimizer, steps: int, warmup: int, rank: int,
             "last_loss": float(loss.detach()) if loss is not None else None}
 
 
-def run(args: argparse.Namespace) -> Dict[str, Any]:
-    torch.set_num_threads(args.threads)
-    method = args.method
-    result: Dict[str, Any] = {"method": method, "pid": os.getpid()}
-
-    if method in HOROVOD_JOBS:
+def _init(job: Job, args: argparse.Namespace) -> tuple:
+    """Start the job's collective library; (rank, size)."""
+    if job.launcher == HOROVOD:
         import horovod.torch as hvd
         hvd.init()
-        rank, size = hvd.rank(), hvd.size()
-    elif method in GLOO_JOBS:
+        return hvd.rank(), hvd.size()
+    if job.launcher == TORCHRUN:
         import torch.distributed as dist
         dist.init_process_group("gloo")
-        rank, size = dist.get_rank(), dist.get_world_size()
-    else:
-        rank, size = args.rank, 1
+        return dist.get_rank(), dist.get_world_size()
+    return args.rank, 1
+
+
+def _build(job: Job, method: Method, spec, optimizer, args) -> Distributed:
+    """Set ``method`` up as ``job`` runs it."""
+    options: Dict[str, Any] = {}
+    if job.launcher == LOCAL:
+        import hvd_acp
+        options["communicator"] = hvd_acp.LocalCommunicator()
+    if method.launcher == TORCHRUN:
+        options["ddp_options"] = DDP_OPTIONS
+    if method.min_warmup_steps:
+        # An implementation that must start with exact steps (torch's
+        # powerSGD_hook) gets the whole untimed warm-up for them; the others
+        # compress from the first step, as their defaults do.
+        options["warmup_steps"] = max(method.min_warmup_steps, args.warmup)
+    return method.build(spec.model, optimizer, matrix_rank=args.matrix_rank, **options)
+
+
+def _dense_counters(built: Distributed, result: Dict[str, Any], params, args):
+    """``hvd.DistributedOptimizer`` keeps no counters: every step it hands each
+    gradient to one named all-reduce (fused by Horovod's background thread up
+    to HOROVOD_FUSION_THRESHOLD). Counted from the steps taken."""
+    steps_done = [0]
+    real_step = built.optimizer.step
+
+    def counted_step(*a, **k):
+        steps_done[0] += 1
+        return real_step(*a, **k)
+    built.optimizer.step = counted_step
+    return {"bytes_sent": lambda: steps_done[0] * result["gradient_bytes"],
+            "allreduces": lambda: steps_done[0] * len(params),
+            "compression_seconds": lambda: 0.0}
+
+
+def _powersgd_hook_counters(built: Distributed, result: Dict[str, Any], params, args):
+    """torch's ``powerSGD_hook`` keeps no counters: :class:`_PowerSGDHookProbe`
+    counts them; the analytic bytes per step check it."""
+    probe = _PowerSGDHookProbe()
+    result["bytes_sent_per_step_analytic"] = powersgd_ddp_bytes_per_step(
+        built.model.module, args.matrix_rank)
+    result["powersgd_start_iter"] = built.state.start_powerSGD_iter
+    return {"bytes_sent": lambda: probe.bytes_sent,
+            "allreduces": lambda: probe.allreduces,
+            "compression_seconds": lambda: probe.compression_seconds}
+
+
+#: How the benchmark counts the methods whose implementation keeps no counters.
+UNCOUNTED = {"ssgd": _dense_counters, "powersgd-ddp": _powersgd_hook_counters}
+
+
+def _counters(job: Job, built: Distributed, result: Dict[str, Any], params,
+              args) -> Dict[str, Callable[[], float]]:
+    """The counters of ``job``'s training, each read at the start and the end of
+    the timed steps."""
+    if job.launcher == LOCAL:
+        # A world of one: compression, nothing sent.
+        return {"bytes_sent": lambda: 0, "allreduces": lambda: 0,
+                "compression_seconds": lambda: built.counters().compression_seconds}
+    if built.counters is not None:
+        return {"bytes_sent": lambda: built.counters().bytes_sent,
+                "allreduces": lambda: built.counters().allreduces,
+                "compression_seconds": lambda: built.counters().compression_seconds}
+    if job.method not in UNCOUNTED:
+        raise RuntimeError(f"method {job.method!r} keeps no counters and the benchmark "
+                           "does not know how to count it (benchmarks.worker.UNCOUNTED)")
+    return UNCOUNTED[job.method](built, result, params, args)
+
+
+def run(args: argparse.Namespace) -> Dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    job = get_job(args.method)
+    result: Dict[str, Any] = {"method": job.key, "pid": os.getpid()}
+    rank, size = _init(job, args)
     result.update(rank=rank, size=size, threads=torch.get_num_threads())
     # Lets the driver kill this rank if it hangs: horovodrun starts each rank
     # in a session of its own, out of reach of a kill of horovodrun's group.
-    Path(args.result_dir, f"{method}.rank{rank}.pid").write_text(str(os.getpid()))
+    Path(args.result_dir, f"{job.key}.rank{rank}.pid").write_text(str(os.getpid()))
 
     spec = build_model(args.model, args.batch_size, image_size=args.image_size,
                        seq_len=args.seq_len, data_seed=rank)
-    model = spec.model
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in spec.model.parameters() if p.requires_grad]
     result["parameters"] = sum(p.numel() for p in params)
     result["gradient_bytes"] = sum(p.numel() * p.element_size() for p in params)
-    counters: Dict[str, Callable[[], float]] = {}
-
-    if method == "powersgd-ddp":
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-        from torch.nn.parallel import DistributedDataParallel
-        # Identical weights on every rank already (seeded build): skip the
-        # initial broadcast. Buffers are not synchronized either, as with Horovod.
-        model = spec.model = DistributedDataParallel(model, init_sync=False,
-                                                     broadcast_buffers=False)
-        probe = _PowerSGDHookProbe()
-        # Compression starts after the untimed warm-up (the hook needs >= 2
-        # vanilla steps when error feedback or warm start is on).
-        state = psgd.PowerSGDState(process_group=None,
-                                   matrix_approximation_rank=args.matrix_rank,
-                                   start_powerSGD_iter=max(2, args.warmup),
-                                   min_compression_rate=2, use_error_feedback=True,
-                                   warm_start=True, random_seed=0)
-        model.register_comm_hook(state, serialized_hook(psgd.powerSGD_hook))
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-        counters = {"bytes_sent": lambda: probe.bytes_sent,
-                    "allreduces": lambda: probe.allreduces,
-                    "compression_seconds": lambda: probe.compression_seconds}
-        result["bytes_sent_per_step_analytic"] = powersgd_ddp_bytes_per_step(
-            spec.model.module, args.matrix_rank)
-        result["powersgd_start_iter"] = state.start_powerSGD_iter
-    elif method == "acp-ddp":
-        import hvd_acp.ddp
-        from torch.nn.parallel import DistributedDataParallel
-        # The same DDP buckets as powersgd-ddp. One all-reduce per bucket,
-        # launched from the hook itself in bucket order, so no serialization
-        # is needed; no dense warm-up either (state is keyed by parameter).
-        # With the optimizer: step-ahead error feedback, as for acp.
-        model = spec.model = DistributedDataParallel(model, init_sync=False,
-                                                     broadcast_buffers=False)
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-        state = hvd_acp.ddp.ACPState(matrix_rank=args.matrix_rank, optimizer=optimizer)
-        model.register_comm_hook(state, hvd_acp.ddp.acp_hook)
-        counters = {"bytes_sent": lambda: state.comm_stats.bytes_sent,
-                    "allreduces": lambda: state.comm_stats.allreduces,
-                    "compression_seconds": lambda: state.compression_seconds}
-    elif method in HOROVOD_METHODS:
-        import horovod.torch as hvd
-        base = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-        if method == "ssgd":
-            optimizer = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
-            # hvd.DistributedOptimizer keeps no counters: every step it hands
-            # each gradient to one named all-reduce (fused by Horovod's
-            # background thread up to HOROVOD_FUSION_THRESHOLD).
-            steps_done = [0]
-            counters = {"bytes_sent": lambda: steps_done[0] * result["gradient_bytes"],
-                        "allreduces": lambda: steps_done[0] * len(params),
-                        "compression_seconds": lambda: 0.0}
-            real_step = optimizer.step
-
-            def counted_step(*a, **k):
-                steps_done[0] += 1
-                return real_step(*a, **k)
-            optimizer.step = counted_step
-        else:
-            import hvd_acp
-            cls = hvd_acp.DistributedOptimizer if method == "acp" else hvd_acp.PowerSGDOptimizer
-            optimizer = cls(base, model.named_parameters(), matrix_rank=args.matrix_rank)
-            counters = {"bytes_sent": lambda: optimizer.comm_stats.bytes_sent,
-                        "allreduces": lambda: optimizer.comm_stats.allreduces,
-                        "compression_seconds": lambda: optimizer.reducer.compression_seconds}
-    elif method == "acp-local":
-        # ACP-SGD's hooks and maths on a world of one: compression without
-        # communication.
-        import hvd_acp
-        base = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-        optimizer = hvd_acp.DistributedOptimizer(base, model.named_parameters(),
-                                                 matrix_rank=args.matrix_rank,
-                                                 communicator=hvd_acp.LocalCommunicator())
-        counters = {"bytes_sent": lambda: 0, "allreduces": lambda: 0,
-                    "compression_seconds": lambda: optimizer.reducer.compression_seconds}
-    else:
-        # compute, compute-concurrent, hvd-idle (Horovod initialized, its
-        # background thread running, but no gradient communicated), ddp-idle
-        # (the same with torch.distributed's Gloo process group).
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    optimizer = torch.optim.SGD(spec.model.parameters(), lr=args.lr, momentum=0.9)
+    if job.method is None:
+        # The floor and the idle diagnostics: a plain local optimizer (Horovod
+        # or the Gloo process group initialized, nothing communicated).
         counters = {"bytes_sent": lambda: 0, "allreduces": lambda: 0,
                     "compression_seconds": lambda: 0.0}
+    else:
+        built = _build(job, get_method(job.method), spec, optimizer, args)
+        spec.model, optimizer = built.model, built.optimizer
+        counters = _counters(job, built, result, params, args)
 
     iface = os.environ.get(IFACE_ENV)
     if iface:
@@ -348,17 +317,18 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         # A rank's last chunk may still wait in its rate-limited queue when
         # its own step ends; once every rank has passed a barrier, every peer
         # has received it, so it has left through the interface.
-        _barrier(method)
+        _barrier(job.launcher)
     for key, get in counters.items():
         result[key] = get() - start[key]
     result["steps"] = args.steps
-    if method in ("hvd-idle", "ddp-idle"):
-        result["tiny_allreduce_s"] = probe_tiny_allreduce(method)
+    if job.probe:
+        result["tiny_allreduce_s"] = probe_tiny_allreduce(job.launcher)
     return result
 
 
-def probe_tiny_allreduce(method: str, calls: int = PROBE_CALLS) -> List[float]:
-    """Seconds of each of ``calls`` all-reduces of one float, on this job's ranks.
+def probe_tiny_allreduce(launcher: str, calls: int = PROBE_CALLS) -> List[float]:
+    """Seconds of each of ``calls`` all-reduces of one float, on this job's ranks
+    (``launcher``: Horovod's, or torch.distributed's process group).
 
     What a collective costs here beyond its bytes: the ring's per-step
     latency (with more ranks than cores, the next rank must be scheduled),
@@ -370,7 +340,7 @@ def probe_tiny_allreduce(method: str, calls: int = PROBE_CALLS) -> List[float]:
     (:func:`hvd_acp.plan.validate.latency`).
     """
     x = torch.zeros(1)
-    if method == "hvd-idle":
+    if launcher == HOROVOD:
         import horovod.torch as hvd
         cycle_s = float(os.environ.get("HOROVOD_CYCLE_TIME", "1")) / 1e3
         allreduce = functools.partial(hvd.allreduce_, x, name="hvd_acp.probe")
@@ -390,16 +360,16 @@ def probe_tiny_allreduce(method: str, calls: int = PROBE_CALLS) -> List[float]:
     return times
 
 
-def _barrier(method: str) -> None:
-    if method in GLOO_JOBS:
+def _barrier(launcher: str) -> None:
+    if launcher == TORCHRUN:
         import torch.distributed as dist
         dist.barrier()
-    elif method in HOROVOD_JOBS:
+    elif launcher == HOROVOD:
         import horovod.torch as hvd
         hvd.barrier()
 
 
-def _shutdown(method: str) -> None:
+def _shutdown(launcher: str) -> None:
     """Leave the collective library cleanly (Gloo threads abort a bare exit).
 
     The job's model, DDP reducer and hook state are collected first: left to
@@ -409,11 +379,11 @@ def _shutdown(method: str) -> None:
     was written).
     """
     gc.collect()
-    if method in GLOO_JOBS:
+    if launcher == TORCHRUN:
         import torch.distributed as dist
         dist.barrier()
         dist.destroy_process_group()
-    elif method in HOROVOD_JOBS:
+    elif launcher == HOROVOD:
         import horovod.torch as hvd
         hvd.shutdown()
 
@@ -425,7 +395,7 @@ def main(argv: List[str] = None) -> int:
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1))
     tmp.replace(out)
-    _shutdown(args.method)
+    _shutdown(get_job(args.method).launcher)
     out.with_suffix(".pid").unlink(missing_ok=True)
     return 0
 

@@ -5,7 +5,7 @@ with ssh. With emulated nodes (network namespaces) the driver launches every
 rank itself, so it runs the server here, in the hub namespace of the
 emulated network::
 
-    ip netns exec HUB python -m hvd_acp.bench.rendezvous --np 2
+    ip netns exec HUB python -m benchmarks.rendezvous --np 2
 
 prints ``port <n>`` once listening, then serves until stdin closes or
 SIGTERM. Rank ``i`` runs on host ``node<i>`` with one slot, as
@@ -42,7 +42,7 @@ def slot_env(rank: int, np: int) -> Dict[str, str]:
 
 def rank_env(net, rank: int, port: int) -> Dict[str, str]:
     """What a rank of a Horovod job on node ``rank`` of ``net`` (an
-    :class:`~hvd_acp.bench.netem.EmulatedNetwork`) needs: the per-slot
+    :class:`~benchmarks.netem.EmulatedNetwork`) needs: the per-slot
     variables of ``horovodrun --gloo``, the server in the hub, the node's
     interface for Gloo (and NCCL)."""
     return dict(slot_env(rank, net.np),
@@ -57,11 +57,11 @@ def start_server(net, python: str, env: Dict[str, str],
     """Start this module's server in ``net``'s hub namespace.
 
     Returns the process and its port. Stop it by closing its stdin (then
-    :func:`~hvd_acp.bench.launch.stop`). Raises ``RuntimeError`` with the
+    :func:`~benchmarks.launch.stop`). Raises ``RuntimeError`` with the
     server's output if it does not report a port within
     :data:`START_TIMEOUT_S`.
     """
-    argv = net.exec_prefix() + [python, "-m", "hvd_acp.bench.rendezvous", "--np", str(net.np)]
+    argv = net.exec_prefix() + [python, "-m", "benchmarks.rendezvous", "--np", str(net.np)]
     proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, preexec_fn=preexec_fn)
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -86,7 +86,7 @@ def start_server(net, python: str, env: Dict[str, str],
 def rank_commands(net, argv: Sequence[str], env: Dict[str, str], port: int,
                   extra_env: Optional[Dict[str, str]] = None,
                   cwd: Optional[str] = None) -> List:
-    """One :class:`~hvd_acp.bench.launch.Command` per rank: ``argv`` run in
+    """One :class:`~benchmarks.launch.Command` per rank: ``argv`` run in
     the rank's namespace (from ``cwd``), as ``horovodrun -np N -H
     node0:1,...`` would."""
     from .launch import Command
@@ -97,7 +97,7 @@ def rank_commands(net, argv: Sequence[str], env: Dict[str, str], port: int,
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hvd_acp.bench.rendezvous")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.rendezvous")
     parser.add_argument("--np", type=int, required=True)
     args = parser.parse_args(argv)
     from horovod.runner.http.http_server import RendezvousServer

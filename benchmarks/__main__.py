@@ -1,7 +1,10 @@
-"""``python -m hvd_acp.bench`` / ``hvd-acp-bench``: the command line.
+"""``python -m benchmarks``: the command line, run from the checkout.
 
-``hvd-acp-bench [options]`` runs the benchmark; ``hvd-acp-bench check OLD NEW``
-compares two of its runs (:mod:`.check`).
+``python -m benchmarks [options]`` runs the benchmark; ``python -m benchmarks
+check OLD NEW`` compares two of its runs (:mod:`.check`); ``python -m
+benchmarks calibrate-link --out link.json`` measures the CPU cost per byte
+of its emulated network (:mod:`.calibrate_link`), for the planner's
+``--link-calibration``.
 """
 from __future__ import annotations
 
@@ -12,42 +15,47 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from .models import MODELS, default_matrix_rank
-from .netem import NetworkSetupError, check_can_emulate
-from .stats import METHODS, number_type, parse_bandwidth, parse_methods
+from hvd_acp.methods import KEYS
+from hvd_acp.plan.models import DEFAULT_BATCH_SIZE, MODELS, default_matrix_rank
+from hvd_acp.plan.units import number_type, parse_bandwidth, positive_int
 
-DEFAULT_BATCH_SIZE = {"resnet50": 8, "bert-base": 4, "small": 32}
+from .netem import NetworkSetupError, check_can_emulate
+from .stats import parse_methods
+
+PROG = "python -m benchmarks"
 #: The smallest number of rounds for which a distribution-free interval of
 #: the median reaches 95% (5 rounds: 93.75% at best); see stats.order_statistic_rank.
 DEFAULT_ROUNDS = 6
 
 
-_positive = number_type(int, lambda v: v >= 1, "a positive int")
 _non_negative = number_type(int, lambda v: v >= 0, "an int >= 0")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="hvd-acp-bench",
+        prog=PROG,
         description="S-SGD vs Power-SGD vs ACP-SGD side by side in one run, optionally on "
                     "an emulated cluster network (--bandwidth, needs root).",
-        epilog="hvd-acp-bench check OLD/results.json NEW/results.json compares two runs of "
-               "one configuration: exit 1 if a ratio's intervals do not overlap "
-               "(hvd-acp-bench check -h).")
-    parser.add_argument("--methods", default=",".join(METHODS),
-                        help=f"comma-separated subset of {','.join(METHODS)} (default: all)")
+        epilog=f"{PROG} check OLD/results.json NEW/results.json compares two runs of "
+               f"one configuration: exit 1 if a ratio's intervals do not overlap ({PROG} "
+               f"check -h). {PROG} calibrate-link --out link.json measures the CPU cost per "
+               f"byte of the emulated network, for hvd-acp-plan --link-calibration ({PROG} "
+               "calibrate-link -h).")
+    parser.add_argument("--methods", default=",".join(KEYS),
+                        help=f"comma-separated subset of {','.join(KEYS)} (default: all)")
     parser.add_argument("--model", default="resnet50", choices=MODELS)
-    parser.add_argument("--np", type=_positive, default=2, help="ranks (default 2)")
-    parser.add_argument("--batch-size", type=_positive, default=None,
-                        help="per rank (default: resnet50 8, bert-base 4, small 32)")
-    parser.add_argument("--matrix-rank", type=_positive, default=None,
+    parser.add_argument("--np", type=positive_int, default=2, help="ranks (default 2)")
+    parser.add_argument("--batch-size", type=positive_int, default=None,
+                        help="per rank (default: " + ", ".join(
+                            f"{m} {b}" for m, b in DEFAULT_BATCH_SIZE.items()) + ")")
+    parser.add_argument("--matrix-rank", type=positive_int, default=None,
                         help="factor rank (default: 4 for resnet50 and small, 32 for bert-base)")
-    parser.add_argument("--rounds", type=_positive, default=DEFAULT_ROUNDS,
+    parser.add_argument("--rounds", type=positive_int, default=DEFAULT_ROUNDS,
                         help="run every job (floor, methods, diagnostics) once per round, in "
                              "an order rotated from round to round; ratios are paired inside "
                              f"each round, then given a median and interval over the rounds "
                              f"(default {DEFAULT_ROUNDS}, the fewest with a 95%% interval)")
-    parser.add_argument("--steps", type=_positive, default=10,
+    parser.add_argument("--steps", type=positive_int, default=10,
                         help="timed steps per job and round (default 10)")
     parser.add_argument("--warmup", type=_non_negative, default=3,
                         help="untimed steps first, in every job (default 3)")
@@ -57,11 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=Path("bench-results"),
                         help="output directory (default bench-results); its raw/ and logs/ "
                              "are replaced")
-    parser.add_argument("--image-size", type=_positive, default=128,
+    parser.add_argument("--image-size", type=positive_int, default=128,
                         help="resnet50 input height and width (default 128)")
-    parser.add_argument("--seq-len", type=_positive, default=64,
+    parser.add_argument("--seq-len", type=positive_int, default=64,
                         help="bert-base tokens per sequence (default 64)")
-    parser.add_argument("--threads", type=_positive, default=1,
+    parser.add_argument("--threads", type=positive_int, default=1,
                         help="torch threads per rank (default 1)")
     parser.add_argument("--timeout", type=float, default=1800.0,
                         help="seconds before a job is killed as hung (default 1800)")
@@ -84,6 +92,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if argv[:1] == ["check"]:
         from .check import main as check_main
         return check_main(argv[1:])
+    if argv[:1] == ["calibrate-link"]:
+        from .calibrate_link import main as calibrate_main
+        return calibrate_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -96,7 +107,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         try:
             check_can_emulate()
         except NetworkSetupError as exc:
-            print(f"hvd-acp-bench: error: {exc}", file=sys.stderr)
+            print(f"{PROG}: error: {exc}", file=sys.stderr)
             return 2
     from .driver import BenchConfig, Interrupted, run_benchmark
     cfg = BenchConfig(
@@ -108,15 +119,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         image_size=args.image_size, seq_len=args.seq_len, threads=args.threads,
         timeout_s=args.timeout, progress=not args.no_progress, reruns=args.reruns,
         diagnostics=args.diagnostics, horovod_cycle_time_ms=args.horovod_cycle_time_ms,
-        command="hvd-acp-bench " + " ".join(shlex.quote(a) for a in argv))
+        command=f"{PROG} " + " ".join(shlex.quote(a) for a in argv))
     try:
         results = run_benchmark(cfg)
     except NetworkSetupError as exc:
-        print(f"hvd-acp-bench: error: cannot build the emulated network: {exc}",
+        print(f"{PROG}: error: cannot build the emulated network: {exc}",
               file=sys.stderr)
         return 2
     except (KeyboardInterrupt, Interrupted):
-        print("hvd-acp-bench: interrupted; jobs killed and emulated network removed",
+        print(f"{PROG}: interrupted; jobs killed and emulated network removed",
               file=sys.stderr)
         return 130
     print((cfg.out / "results.md").read_text())
@@ -124,7 +135,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 **(results.get("diagnostics") or {}))
     failed = [job for job, entry in jobs.items() if entry.get("error") or entry.get("errors")]
     if failed:
-        print(f"hvd-acp-bench: failed (in one round or more): {', '.join(failed)}",
+        print(f"{PROG}: failed (in one round or more): {', '.join(failed)}",
               file=sys.stderr)
         return 1
     return 0

@@ -1,4 +1,4 @@
-"""``hvd-acp-bench check OLD/results.json NEW/results.json``: did a rerun move?
+"""``python -m benchmarks check OLD/results.json NEW/results.json``: did a rerun move?
 
 Compares two runs of one configuration ratio by ratio (every entry of
 ``ratios`` and ``diagnostic_ratios`` in results.json, keyed by ``a``, ``b``
@@ -23,6 +23,8 @@ from .stats import Interval
 
 __all__ = ["CheckError", "IDENTITY", "load", "config_differences", "compare", "main"]
 
+PROG = "python -m benchmarks check"
+
 #: Config fields that make two runs the same configuration: what is measured.
 IDENTITY = ("model", "np", "batch_size", "matrix_rank", "bandwidth_mbit", "image_size",
             "seq_len", "threads_per_rank", "horovod_cycle_time_ms")
@@ -41,7 +43,7 @@ def load(path: Path) -> Dict[str, Any]:
     """A results.json (or the one in directory ``path``), checked to be comparable.
 
     Raises:
-        CheckError: missing, not JSON, not written by hvd-acp-bench, or
+        CheckError: missing, not JSON, not written by the benchmark, or
             written without rounds (no intervals to compare).
     """
     path = Path(path)
@@ -52,10 +54,10 @@ def load(path: Path) -> Dict[str, Any]:
     try:
         results = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckError(f"{path}: not a results file of hvd-acp-bench ({exc})") from None
+        raise CheckError(f"{path}: not a results file of the benchmark ({exc})") from None
     if not isinstance(results, dict) or not isinstance(results.get("config"), dict) \
             or not isinstance(results.get("methods"), dict):
-        raise CheckError(f"{path}: not a results file of hvd-acp-bench (no config and methods)")
+        raise CheckError(f"{path}: not a results file of the benchmark (no config and methods)")
     if "ratios" not in results or (results.get("rounds") or 1) < 2:
         raise CheckError(f"{path}: a run without rounds (no intervals to compare); "
                          "run it again with --rounds 2 or more (6 for 95% intervals)")
@@ -113,7 +115,7 @@ def _describe(path: str, results: Dict[str, Any]) -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="hvd-acp-bench check",
+        prog=PROG,
         description="Compare two runs of one configuration: list every ratio whose "
                     "intervals do not overlap. Exit 0: none; 1: at least one; 2: a file is "
                     "missing or not a results file with rounds, or the configurations differ.")
@@ -123,11 +125,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         old, new = load(Path(args.old)), load(Path(args.new))
     except CheckError as exc:
-        print(f"hvd-acp-bench check: error: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     mismatch = config_differences(old, new)
     if mismatch:
-        print("hvd-acp-bench check: error: not the same configuration, nothing compared:\n  "
+        print(f"{PROG}: error: not the same configuration, nothing compared:\n  "
               + "\n  ".join(mismatch), file=sys.stderr)
         return 2
     print(f"old {_describe(args.old, old)}\nnew {_describe(args.new, new)}")
@@ -135,7 +137,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"  differs, compared anyway: {line}")
     result = compare(old, new)
     if result["compared"] == 0:
-        print("hvd-acp-bench check: error: the two runs have no ratio in common",
+        print(f"{PROG}: error: the two runs have no ratio in common",
               file=sys.stderr)
         return 2
     for side in ("only_old", "only_new"):

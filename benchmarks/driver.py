@@ -22,32 +22,37 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from hvd_acp.methods import HOROVOD
+
 from . import report
+from .jobs import DIAGNOSTICS, FLOOR_JOB, LOCAL
+from .jobs import get as get_job
 from .launch import (Command, JobError, kill_worker_pids, new_session_dying_with_parent,
                      run_job, stop)
 from .netem import EmulatedNetwork
 from .rendezvous import rank_commands, start_server
 from .stats import (combine_ranks, machine_busy_s, median_interval, percentile, round_order,
                     summarize_steps)
-from .worker import DIAGNOSTICS, HOROVOD_JOBS, IFACE_ENV
+from .worker import IFACE_ENV
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["BenchConfig", "run_benchmark"]
 
 DDP_MASTER_PORT = 29577
-#: Diagnostics run as independent processes, with no collective library.
-LOCAL_DIAGNOSTICS = ("compute-concurrent", "acp-local")
 #: Above this share of the machine used outside a job, its times are flagged.
 DISTURBED_SHARE = 0.10
 #: Before a re-run, wait at most this long for the machine to be idle.
 QUIET_WAIT_S = 300.0
-REPO_ROOT = Path(__file__).resolve().parents[2]
+#: The checkout: the parent of this package, put on the workers' PYTHONPATH.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+#: The module every job's processes run.
+WORKER = "benchmarks.worker"
 
 
 @dataclasses.dataclass
 class BenchConfig:
-    """Everything one invocation measures (see ``python -m hvd_acp.bench -h``)."""
+    """Everything one invocation measures (see ``python -m benchmarks -h``)."""
 
     methods: List[str]
     model: str
@@ -150,7 +155,7 @@ class _Runner:
 
     def _worker_args(self, method: str, result_dir: Path) -> List[str]:
         c = self.cfg
-        return ["-m", "hvd_acp.bench.worker", "--method", method, "--model", c.model,
+        return ["-m", WORKER, "--method", method, "--model", c.model,
                 "--batch-size", str(c.batch_size), "--matrix-rank", str(c.matrix_rank),
                 "--steps", str(c.steps), "--warmup", str(c.warmup),
                 "--image-size", str(c.image_size), "--seq-len", str(c.seq_len),
@@ -162,23 +167,23 @@ class _Runner:
 
     def _commands(self, method: str, rendezvous_port: Optional[int],
                   result_dir: Path) -> List[Command]:
-        c, net = self.cfg, self.net
+        c, net, job = self.cfg, self.net, get_job(method)
         worker = [self.python] + self._worker_args(method, result_dir)
-        if method == "compute":
-            return [Command(worker, self._env(), "compute")]
-        if method in LOCAL_DIAGNOSTICS:
+        if job.processes == 1:
+            return [Command(worker, self._env(), method)]
+        if job.launcher == LOCAL:
             # Independent processes at once, no collective library, no network.
             return [Command(worker + ["--rank", str(rank)], self._env(), f"rank{rank}")
                     for rank in range(c.np)]
         if net is None:
-            if method in HOROVOD_JOBS:
+            if job.launcher == HOROVOD:
                 argv = [self._tool("horovodrun"), "-np", str(c.np), "-H",
                         f"localhost:{c.np}", "--gloo"] + worker
                 return [Command(argv, self._env(), "horovodrun")]
             argv = [self._tool("torchrun"), "--standalone", "--nproc-per-node",
                     str(c.np)] + worker[1:]
             return [Command(argv, self._env(), "torchrun")]
-        if method in HOROVOD_JOBS:
+        if job.launcher == HOROVOD:
             # What horovodrun --gloo sets for each rank (gloo_run.py).
             return rank_commands(net, worker, self._env(), rendezvous_port,
                                  {IFACE_ENV: net.iface})
@@ -212,7 +217,7 @@ class _Runner:
         if log_path.exists():
             log_path.unlink()
         rendezvous = port = None
-        if self.net is not None and method in HOROVOD_JOBS:
+        if self.net is not None and get_job(method).launcher == HOROVOD:
             rendezvous, port = self._start_rendezvous()
         last = [0]
 
@@ -230,14 +235,14 @@ class _Runner:
         try:
             run_job(self._commands(method, port, raw), log_path, self.cfg.timeout_s,
                     on_progress,
-                    on_cleanup=lambda: kill_worker_pids(raw, "hvd_acp.bench.worker"))
+                    on_cleanup=lambda: kill_worker_pids(raw, WORKER))
         finally:
             if rendezvous is not None:
                 rendezvous.stdin.close()
                 stop([rendezvous])
             if self.bar is not None:
                 self.bar.update(self.cfg.warmup + self.cfg.steps - last[0])
-        ranks = 1 if method == "compute" else self.cfg.np
+        ranks = get_job(method).processes or self.cfg.np
         results = []
         for rank in range(ranks):
             path = raw / f"{method}.rank{rank}.json"
@@ -270,7 +275,7 @@ def _summarize(cfg: BenchConfig, method: str, ranks: List[Dict[str, Any]]) -> Di
             combine_ranks([r["tiny_allreduce_s"] for r in ranks]), 50)
     if all("link_tx_bytes" in r for r in ranks):
         entry["link_tx_bytes_per_step"] = sum(r["link_tx_bytes"] for r in ranks) / per_rank
-    if method == "powersgd-ddp":
+    if "bytes_sent_per_step_analytic" in ranks[0]:      # torch's powerSGD_hook
         entry["bytes_sent_per_step_analytic"] = ranks[0]["bytes_sent_per_step_analytic"]
     return entry
 
@@ -426,7 +431,8 @@ def run_benchmark(cfg: BenchConfig) -> Dict[str, Any]:
     (cfg.out / "raw").mkdir()
     net = (EmulatedNetwork(cfg.np, cfg.bandwidth_mbit) if cfg.bandwidth_mbit is not None
            else None)
-    jobs = ["compute"] + list(cfg.methods) + (list(DIAGNOSTICS) if cfg.diagnostics else [])
+    diagnostic_keys = [d.key for d in DIAGNOSTICS] if cfg.diagnostics else []
+    jobs = [FLOOR_JOB.key] + list(cfg.methods) + diagnostic_keys
     bar = None
     if cfg.progress:
         from tqdm import tqdm
@@ -464,9 +470,9 @@ def run_benchmark(cfg: BenchConfig) -> Dict[str, Any]:
             signal.signal(sig, handler)
     duration_s = time.monotonic() - started
 
-    compute_only = dict(summarize_rounds(per_round["compute"]), processes=1)
+    compute_only = dict(summarize_rounds(per_round[FLOOR_JOB.key]), processes=1)
     methods = {m: summarize_rounds(per_round[m]) for m in cfg.methods}
-    diagnostics = {d: summarize_rounds(per_round[d]) for d in jobs if d in DIAGNOSTICS}
+    diagnostics = {d: summarize_rounds(per_round[d]) for d in diagnostic_keys}
     gradient_bytes = compute_only.get("gradient_bytes")
     ratio = {"gradient_mb": gradient_bytes / 1e6 if gradient_bytes else None,
              "ssgd_comm_s_at_line_rate": None}

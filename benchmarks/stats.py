@@ -1,4 +1,4 @@
-"""Pure helpers of the benchmark: argument parsing and statistics.
+"""Pure helpers of the benchmark: ``--methods``, statistics, the machine's load.
 
 Rounds and intervals: a run with ``--rounds R`` measures every job once per
 round, in an order that rotates from round to round (:func:`round_order`).
@@ -11,76 +11,34 @@ verdict from whether that interval excludes 1.0 (:func:`verdict`).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
-import re
-from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar
+from typing import Dict, List, Optional, Sequence, TypeVar
 
-__all__ = ["METHODS", "machine_busy_s", "parse_bandwidth", "parse_methods", "percentile",
-           "summarize_steps", "combine_ranks", "tbf_burst_bytes", "round_order",
-           "Interval", "order_statistic_rank", "median_interval", "paired_ratios",
-           "verdict", "CONFIDENCE", "VERDICTS"]
+from hvd_acp.methods import KEYS
 
-#: Methods accepted by ``--methods``, in the order they are reported.
-METHODS = ("ssgd", "powersgd", "powersgd-ddp", "acp", "acp-ddp")
-
-_UNITS = {"bit": 1e-6, "kbit": 1e-3, "mbit": 1.0, "gbit": 1e3, "tbit": 1e6}
-_BANDWIDTH = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?bit)\s*$",
-                        re.IGNORECASE)
-
-
-def parse_bandwidth(text: Optional[str]) -> Optional[float]:
-    """A link rate in tc's notation, in Mbit/s: ``"200mbit"`` -> 200.0.
-
-    Units are tc's bit rates: ``bit``, ``kbit``, ``mbit``, ``gbit``, ``tbit``
-    (powers of 1000, case-insensitive). ``None``, ``""`` and ``"none"`` mean
-    no emulation and give ``None``.
-
-    Raises:
-        ValueError: the text is not a positive rate in one of those units.
-    """
-    if text is None or text.strip().lower() in ("", "none"):
-        return None
-    match = _BANDWIDTH.match(text)
-    if not match:
-        raise ValueError(f"bandwidth must look like 200mbit, 1gbit or 500kbit (units bit, "
-                         f"kbit, mbit, gbit, tbit), got {text!r}")
-    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    if not value > 0 or math.isinf(value):
-        raise ValueError(f"bandwidth must be a positive rate, got {text!r}")
-    return value
-
-
-def number_type(convert: Callable[[str], Any], ok: Callable[[Any], bool], what: str):
-    """An argparse ``type=``: ``convert(text)``, refused unless ``ok(value)``,
-    with "must be <what>" as the message."""
-    def parse(text: str):
-        try:
-            value = convert(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
-        return value
-    return parse
+__all__ = ["machine_busy_s", "parse_methods", "percentile", "summarize_steps",
+           "combine_ranks", "tbf_burst_bytes", "round_order", "Interval",
+           "order_statistic_rank", "median_interval", "paired_ratios", "verdict",
+           "CONFIDENCE", "VERDICTS"]
 
 
 def parse_methods(text: str) -> List[str]:
-    """``"ssgd,acp"`` -> ``["ssgd", "acp"]``, checked, duplicates removed, in given order."""
+    """``"ssgd,acp"`` -> ``["ssgd", "acp"]``: keys of :mod:`hvd_acp.methods`, checked,
+    duplicates removed, in given order."""
     methods: List[str] = []
     for item in text.split(","):
         item = item.strip().lower()
         if not item:
             continue
-        if item not in METHODS:
-            raise ValueError(f"methods must be a comma-separated list of {', '.join(METHODS)}; "
+        if item not in KEYS:
+            raise ValueError(f"methods must be a comma-separated list of {', '.join(KEYS)}; "
                              f"got {item!r} in {text!r}")
         if item not in methods:
             methods.append(item)
     if not methods:
-        raise ValueError(f"methods must name at least one of {', '.join(METHODS)}, got {text!r}")
+        raise ValueError(f"methods must name at least one of {', '.join(KEYS)}, got {text!r}")
     return methods
 
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .stats import (METHODS, median_interval, order_statistic_rank,
-                    paired_ratios, verdict)
+from hvd_acp.methods import KEYS, REGISTRY
 
-__all__ = ["LABELS", "NAMES", "FLOOR", "WHATS", "comparison_pairs", "derive", "find_ratio",
+from .jobs import FLOOR_JOB, JOBS
+from .stats import median_interval, order_statistic_rank, paired_ratios, verdict
+
+__all__ = ["name", "FLOOR", "WHATS", "comparison_pairs", "derive", "find_ratio",
            "fmt_range", "breakdown", "markdown", "plot_breakdown"]
 
 #: The ``b`` of a comparison against the compute-only floor.
@@ -22,25 +24,20 @@ FLOOR = "floor"
 WHATS = {"step": "step_s_median", "compression": "compression_s_per_step",
          "bytes": "bytes_sent_per_step"}
 
-#: How each method is named in tables and plots.
-LABELS = {
-    "ssgd": "S-SGD (hvd.DistributedOptimizer)",
-    "powersgd": "Power-SGD (hvd_acp.PowerSGDOptimizer)",
-    "powersgd-ddp": "Power-SGD (torch DDP powerSGD_hook)",
-    "acp": "ACP-SGD (hvd_acp.DistributedOptimizer)",
-    "acp-ddp": "ACP-SGD (DDP hvd_acp.ddp.acp_hook)",
-}
-_SHORT = {"ssgd": "S-SGD", "powersgd": "Power-SGD\n(hvd_acp)",
-          "powersgd-ddp": "Power-SGD\n(DDP hook)", "acp": "ACP-SGD",
-          "acp-ddp": "ACP-SGD\n(DDP hook)"}
-#: Short names of the jobs, for sentences.
-NAMES = {"ssgd": "S-SGD", "powersgd": "Power-SGD (hvd_acp)",
-         "powersgd-ddp": "Power-SGD (DDP hook)", "acp": "ACP-SGD",
-         "acp-ddp": "ACP-SGD (DDP hook)", FLOOR: "compute only (floor)"}
+
+def _named(job: str, attr: str) -> str:
+    """Attribute ``attr`` of method ``job`` of :mod:`hvd_acp.methods`; the key
+    itself for a job the registry does not know."""
+    return getattr(REGISTRY[job], attr) if job in REGISTRY else job
+
+
+def name(job: str) -> str:
+    """A job's short name, for sentences: a method's label, the floor's, or its key."""
+    return FLOOR_JOB.label if job == FLOOR else _named(job, "label")
 
 
 def _ordered(methods: Dict[str, Any]) -> List[str]:
-    return [m for m in METHODS if m in methods] + [m for m in methods if m not in METHODS]
+    return [m for m in KEYS if m in methods] + [m for m in methods if m not in KEYS]
 
 
 def comparison_pairs(methods: Sequence[str]) -> List[Tuple[str, str]]:
@@ -118,10 +115,10 @@ def derive(results: Dict[str, Any]) -> None:
         entry = methods[method]
         speedup = find_ratio(results, "ssgd", method, "step")
         to_floor = find_ratio(results, method, FLOOR, "step")
-        for name, ratio in (("speedup_vs_ssgd", speedup), ("ratio_to_floor", to_floor)):
-            entry[name] = ratio["median"] if ratio else None
-            entry[f"{name}_low"] = ratio["low"] if ratio else None
-            entry[f"{name}_high"] = ratio["high"] if ratio else None
+        for field, ratio in (("speedup_vs_ssgd", speedup), ("ratio_to_floor", to_floor)):
+            entry[field] = ratio["median"] if ratio else None
+            entry[f"{field}_low"] = ratio["low"] if ratio else None
+            entry[f"{field}_high"] = ratio["high"] if ratio else None
     if "ssgd" in methods and methods["ssgd"].get("step_s_median") is not None:
         methods["ssgd"].update(speedup_vs_ssgd=1.0, speedup_vs_ssgd_low=1.0,
                                speedup_vs_ssgd_high=1.0)
@@ -208,7 +205,7 @@ def _say(ratio: Optional[Dict[str, Any]], rounds: int) -> str:
         return _SAY_FLOOR[ratio["verdict"]]
     if ratio["verdict"] == "same":
         return "no measurable difference"
-    return _SAY[ratio["what"]][ratio["verdict"]].format(a=NAMES.get(ratio["a"], ratio["a"]))
+    return _SAY[ratio["what"]][ratio["verdict"]].format(a=name(ratio["a"]))
 
 
 
@@ -258,7 +255,7 @@ def markdown(results: Dict[str, Any]) -> str:
     ]
     for method in _ordered(results["methods"]):
         entry = results["methods"][method]
-        label = LABELS.get(method, method)
+        label = _named(method, "title")
         if entry.get("error"):
             lines.append(f"| {label} | failed: {entry['error']} ||||||||")
             continue
@@ -328,7 +325,7 @@ def _comparison_table(results: Dict[str, Any]) -> List[str]:
             compression = find_ratio(results, a, b, "compression")
             sent = find_ratio(results, a, b, "bytes")
             lines.append(
-                f"| {NAMES.get(a, a)} against {NAMES.get(b, b)} "
+                f"| {name(a)} against {name(b)} "
                 f"| {_fmt_ratio(step, invert=True)} | {_say(step, rounds)} "
                 f"| {_fmt_ratio(compression) if compression else ''} "
                 f"| {_say(compression, rounds)} | {_fmt_ratio(sent, 3) if sent else ''} |")
@@ -337,10 +334,10 @@ def _comparison_table(results: Dict[str, Any]) -> List[str]:
     floor_rows = [r for r in floor_rows if r is not None]
     if floor_rows:
         lines += ["| against the floor | step / floor's step | verdict |", "|---|---:|---|"]
-        lines += [f"| {NAMES.get(r['a'], r['a'])} | {_fmt_ratio(r)} | {_say(r, rounds)} |"
+        lines += [f"| {name(r['a'])} | {_fmt_ratio(r)} | {_say(r, rounds)} |"
                   for r in floor_rows]
         lines.append("")
-        faster = [NAMES.get(r["a"], r["a"]) for r in floor_rows
+        faster = [name(r["a"]) for r in floor_rows
                   if rounds > 1 and r["verdict"] == "faster"]
         if faster:
             lines += [f"**Disturbed run**: {', '.join(faster)} ran faster than the compute-only "
@@ -352,7 +349,7 @@ def _comparison_table(results: Dict[str, Any]) -> List[str]:
 def _phase_table(results: Dict[str, Any]) -> List[str]:
     """Where the time goes: medians of rank 0's phases, traffic, interference."""
     rows = [("compute only", results.get("compute_only") or {})]
-    rows += [(LABELS.get(m, m), results["methods"][m]) for m in _ordered(results["methods"])]
+    rows += [(_named(m, "title"), results["methods"][m]) for m in _ordered(results["methods"])]
     rows = [(label, e) for label, e in rows if e.get("phase_s_median")]
     if not rows:
         return []
@@ -372,18 +369,6 @@ def _phase_table(results: Dict[str, Any]) -> List[str]:
     return lines
 
 
-_DIAGNOSTIC_LABELS = {
-    "compute-concurrent": "floor with every rank computing at once (N processes, no "
-                          "communication)",
-    "hvd-idle": "same under Horovod: hvd.init(), plain local optimizer, nothing "
-                "all-reduced",
-    "ddp-idle": "same under torch.distributed: Gloo process group, plain local optimizer, "
-                "nothing all-reduced",
-    "acp-local": "ACP-SGD on a world of one (LocalCommunicator) in N processes at once: "
-                 "compression, no communication",
-}
-
-
 def _diagnostics_table(results: Dict[str, Any]) -> List[str]:
     """Steps of the diagnostic runs, against the floor."""
     diagnostics = results.get("diagnostics")
@@ -394,13 +379,14 @@ def _diagnostics_table(results: Dict[str, Any]) -> List[str]:
     lines = ["| diagnostic | step median (s) [interval] | x floor, paired | verdict "
              "| compression s/step | tiny all-reduce (ms) | CPU share used outside the job |",
              "|---|---:|---:|---|---:|---:|---:|"]
-    for name, entry in diagnostics.items():
+    for job, entry in diagnostics.items():
+        label = JOBS[job].label if job in JOBS else job
         if entry.get("step_s_median") is None:
-            lines.append(f"| {_DIAGNOSTIC_LABELS.get(name, name)} | failed ||||||")
+            lines.append(f"| {label} | failed ||||||")
             continue
         tiny = entry.get("tiny_allreduce_s")
-        to_floor = find_ratio(results, name, FLOOR, key="diagnostic_ratios")
-        lines.append(f"| {_DIAGNOSTIC_LABELS.get(name, name)} | {_step_range(entry)} "
+        to_floor = find_ratio(results, job, FLOOR, key="diagnostic_ratios")
+        lines.append(f"| {label} | {_step_range(entry)} "
                      f"| {_fmt_ratio(to_floor)} | {_say(to_floor, rounds)} "
                      f"| {_fmt(entry.get('compression_s_per_step'), 4)} "
                      f"| {'' if tiny is None else _fmt(tiny * 1e3, 2)} "
@@ -459,7 +445,7 @@ def plot_breakdown(results: Dict[str, Any], path: Path) -> None:
                      *ends(floor_entry)))
     for method in methods:
         entry = results["methods"][method]
-        rows.append((_SHORT.get(method, method), breakdown(entry, floor or 0.0),
+        rows.append((_named(method, "plot_label"), breakdown(entry, floor or 0.0),
                      entry["step_s_median"], *ends(entry)))
     zoom = [r for r in rows if floor is None or r[2] <= 3 * floor]
     panels = [rows] + ([zoom] if 1 < len(zoom) < len(rows) else [])

@@ -1,0 +1,234 @@
+"""The ways of averaging gradients that hvd_acp is compared with, declared once.
+
+Each :class:`Method` is one way of training data-parallel: its key, its
+names in tables and plots, the launcher its ranks need, and a factory that
+sets it up for a model and a torch optimizer::
+
+    built = hvd_acp.methods.get("acp").build(model, optimizer, matrix_rank=4)
+    loss_fn(built.model, batch).backward()
+    built.optimizer.step()
+
+The benchmark (its workers, tables and plots), the planner's method list and
+the scripts read :data:`REGISTRY`; a method declared here appears in all of
+them. Horovod and ``torch.distributed`` are imported by the factories only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+
+__all__ = ["HOROVOD", "TORCHRUN", "Counters", "Distributed", "Method", "REGISTRY", "KEYS",
+           "get", "label", "serialized_hook"]
+
+#: Launchers: ``horovodrun`` (Horovod's ranks) or ``torchrun`` (a
+#: ``torch.distributed`` process group, Gloo on CPUs).
+HOROVOD = "horovod"
+TORCHRUN = "torchrun"
+
+
+class Counters(NamedTuple):
+    """What one rank has done so far: payload bytes handed to all-reduce,
+    all-reduces launched, seconds of compression maths."""
+
+    bytes_sent: int
+    allreduces: int
+    compression_seconds: float
+
+
+@dataclasses.dataclass
+class Distributed:
+    """What a method's factory set up.
+
+    Attributes:
+        model: the module to train (a ``DistributedDataParallel`` wrapper for
+            the DDP methods, the model itself for Horovod's).
+        optimizer: the optimizer to step.
+        state: the DDP communication hook's state (None for Horovod's methods).
+        counters: this rank's :class:`Counters` so far, where the method keeps
+            them; None where it does not (``hvd.DistributedOptimizer``,
+            torch's ``powerSGD_hook``).
+    """
+
+    model: Any
+    optimizer: Any
+    state: Any = None
+    counters: Optional[Callable[[], Counters]] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One way of averaging gradients.
+
+    Attributes:
+        key: its name in ``--methods``, results files and predictions.
+        algorithm: what it computes: ``S-SGD``, ``Power-SGD`` or ``ACP-SGD``.
+        label: its short name, for sentences and the planner's tables.
+        implementation: the API that runs it.
+        launcher: :data:`HOROVOD` or :data:`TORCHRUN`.
+        factory: ``factory(model, optimizer, *, matrix_rank, warmup_steps,
+            ddp_options, **options)`` returns a :class:`Distributed`; call it
+            through :meth:`build`.
+        color: its color in the planner's plots.
+        min_warmup_steps: exact (uncompressed) steps the implementation needs
+            before it compresses (torch's ``powerSGD_hook``: 2, for its error
+            feedback and warm start).
+    """
+
+    key: str
+    algorithm: str
+    label: str
+    implementation: str
+    launcher: str
+    factory: Callable[..., Distributed]
+    color: str
+    min_warmup_steps: int = 0
+
+    @property
+    def title(self) -> str:
+        """The name in results tables: ``ACP-SGD (hvd_acp.DistributedOptimizer)``."""
+        return f"{self.algorithm} ({self.implementation})"
+
+    @property
+    def plot_label(self) -> str:
+        """:attr:`label` on two lines, for the bars of a plot."""
+        return self.label.replace(" (", "\n(")
+
+    def build(self, model, optimizer, *, matrix_rank: int = 4,
+              warmup_steps: Optional[int] = None, ddp_options: Optional[dict] = None,
+              **options) -> Distributed:
+        """Set the method up for ``model`` and the torch ``optimizer`` built on its parameters.
+
+        Horovod must be initialized (``hvd.init()``) for Horovod's methods, the
+        default process group for the DDP ones.
+
+        Args:
+            matrix_rank: rank of the factors (S-SGD compresses nothing and
+                ignores it).
+            warmup_steps: exact steps before compression starts; None: the
+                implementation's default (0 for hvd_acp's,
+                :attr:`min_warmup_steps` for torch's hook).
+            ddp_options: keyword arguments of ``DistributedDataParallel``
+                (DDP methods only).
+            options: further keyword arguments of the optimizer wrapper
+                (Horovod's methods) or of the hook's state (DDP methods).
+        """
+        if warmup_steps is not None and warmup_steps < self.min_warmup_steps:
+            raise ValueError(f"{self.key} needs warmup_steps >= {self.min_warmup_steps}, "
+                             f"got {warmup_steps!r}")
+        if ddp_options and self.launcher != TORCHRUN:
+            raise ValueError(f"ddp_options apply to the DDP methods only, not to {self.key}")
+        return self.factory(model, optimizer, matrix_rank=matrix_rank,
+                            warmup_steps=warmup_steps, ddp_options=dict(ddp_options or {}),
+                            **options)
+
+
+# -------------------------------------------------------------- factories
+def _ssgd(model, optimizer, *, matrix_rank, warmup_steps, ddp_options, **options):
+    import horovod.torch as hvd
+    if warmup_steps:
+        raise ValueError("S-SGD averages every step exactly: it has no warmup_steps")
+    return Distributed(model, hvd.DistributedOptimizer(
+        optimizer, named_parameters=model.named_parameters(), **options))
+
+
+def _hvd_acp_optimizer(class_name: str):
+    """Factory of one of hvd_acp's Horovod optimizers (``hvd_acp.<class_name>``)."""
+    def factory(model, optimizer, *, matrix_rank, warmup_steps, ddp_options, **options):
+        import hvd_acp
+        if warmup_steps is not None:
+            options["warmup_steps"] = warmup_steps
+        wrapped = getattr(hvd_acp, class_name)(
+            optimizer, named_parameters=model.named_parameters(), matrix_rank=matrix_rank,
+            **options)
+        return Distributed(model, wrapped, counters=lambda: Counters(
+            wrapped.comm_stats.bytes_sent, wrapped.comm_stats.allreduces,
+            wrapped.reducer.compression_seconds))
+    return factory
+
+
+def _ddp(model, ddp_options: dict):
+    from torch.nn.parallel import DistributedDataParallel
+    return DistributedDataParallel(model, **ddp_options)
+
+
+def _powersgd_ddp(model, optimizer, *, matrix_rank, warmup_steps, ddp_options, **options):
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    wrapped = _ddp(model, ddp_options)
+    settings = dict(process_group=None, matrix_approximation_rank=matrix_rank,
+                    start_powerSGD_iter=2 if warmup_steps is None else warmup_steps,
+                    min_compression_rate=2, use_error_feedback=True, warm_start=True,
+                    random_seed=0)
+    settings.update(options)
+    state = psgd.PowerSGDState(**settings)
+    wrapped.register_comm_hook(state, serialized_hook(psgd.powerSGD_hook))
+    return Distributed(wrapped, optimizer, state)
+
+
+def _acp_ddp(model, optimizer, *, matrix_rank, warmup_steps, ddp_options, **options):
+    import hvd_acp.ddp
+    # One all-reduce per bucket, launched from the hook itself in bucket
+    # order: no serialization needed. The optimizer gives step-ahead error
+    # feedback (the default), as for hvd_acp.DistributedOptimizer.
+    wrapped = _ddp(model, ddp_options)
+    if warmup_steps is not None:
+        options["warmup_steps"] = warmup_steps
+    state = hvd_acp.ddp.ACPState(matrix_rank=matrix_rank, optimizer=optimizer, **options)
+    wrapped.register_comm_hook(state, hvd_acp.ddp.acp_hook)
+    return Distributed(wrapped, optimizer, state, counters=lambda: Counters(
+        state.comm_stats.bytes_sent, state.comm_stats.allreduces, state.compression_seconds))
+
+
+def serialized_hook(hook: Callable) -> Callable:
+    """``hook`` (a DDP comm hook) run for one bucket at a time.
+
+    ``powerSGD_hook`` starts its second and third all-reduce (P, then Q)
+    from future callbacks on Gloo's threads while backward goes on and hooks
+    the next bucket from the autograd thread. With Gloo and more than one
+    bucket the ranks can then issue collectives in different orders: the job
+    aborts ("Received data size doesn't match expected size") or hangs. Waiting
+    for the previous bucket's chain before starting the next one keeps the
+    order identical on every rank; a bucket's communication still overlaps
+    the backward of the layers before it.
+    """
+    pending = []
+
+    @functools.wraps(hook)
+    def wrapper(state, bucket):
+        if pending:
+            pending.pop().wait()
+        future = hook(state, bucket)
+        pending.append(future)
+        return future
+    return wrapper
+
+
+# --------------------------------------------------------------- registry
+#: Every method, by key, in report order.
+REGISTRY: Dict[str, Method] = {m.key: m for m in (
+    Method("ssgd", "S-SGD", "S-SGD", "hvd.DistributedOptimizer", HOROVOD, _ssgd,
+           "tab:gray"),
+    Method("powersgd", "Power-SGD", "Power-SGD (hvd_acp)", "hvd_acp.PowerSGDOptimizer",
+           HOROVOD, _hvd_acp_optimizer("PowerSGDOptimizer"), "tab:blue"),
+    Method("powersgd-ddp", "Power-SGD", "Power-SGD (DDP hook)", "torch DDP powerSGD_hook",
+           TORCHRUN, _powersgd_ddp, "tab:cyan", min_warmup_steps=2),
+    Method("acp", "ACP-SGD", "ACP-SGD", "hvd_acp.DistributedOptimizer", HOROVOD,
+           _hvd_acp_optimizer("DistributedOptimizer"), "tab:red"),
+    Method("acp-ddp", "ACP-SGD", "ACP-SGD (DDP hook)", "DDP hvd_acp.ddp.acp_hook", TORCHRUN,
+           _acp_ddp, "tab:orange"),
+)}
+#: The keys, in report order.
+KEYS: Tuple[str, ...] = tuple(REGISTRY)
+
+
+def get(key: str) -> Method:
+    """The method named ``key``; ``ValueError`` listing the keys otherwise."""
+    try:
+        return REGISTRY[key]
+    except KeyError:
+        raise ValueError(f"method must be one of {', '.join(KEYS)}, got {key!r}") from None
+
+
+def label(key: str) -> str:
+    """The short name of method ``key`` (:attr:`Method.label`)."""
+    return get(key).label
