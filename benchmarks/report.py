@@ -1,9 +1,9 @@
 """results.json -> paired ratios, results.md (tables) and breakdown.png (stacked bars).
 
 :func:`derive` computes every comparison the report makes inside each round
-and summarizes it over the rounds (median, interval, verdict); a run
-written before rounds existed (one block of steps per job) reads as a run
-of one round, whose comparisons have no interval and no verdict.
+and summarizes it over the rounds (median, interval, verdict); a results
+file with one block of steps per job and no ``per_round`` entries reads as
+a run of one round, whose comparisons have no interval and no verdict.
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def comparison_pairs(methods: Sequence[str]) -> List[Tuple[str, str]]:
 def _by_round(entry: Dict[str, Any], key: str) -> Dict[int, Optional[float]]:
     """A job's figure ``key`` by round number (``None`` where its job failed).
 
-    An entry without ``per_round`` (written before rounds existed) is one round.
+    An entry without ``per_round`` (one block of steps) is one round.
     """
     rounds = entry.get("per_round") or [dict(entry, round=1)]
     return {r.get("round", 1): (None if r.get("error") else r.get(key)) for r in rounds}

@@ -1,36 +1,39 @@
-"""Rebuild the generated parts of docs/benchmarks.md and README.md from bench-results/.
+"""Rebuild the generated parts of docs/benchmarks.md from bench-results/.
 
     .venv/bin/python scripts/bench_doc.py
 
-Every table, verdict and picture between the markers below is rendered from
-a run directory's ``results.json`` (written by ``python -m benchmarks --out DIR``)
-by the benchmark's own report code, so that every number and every
-comparison on those pages comes from a run that is in the repository, and a
-sentence saying that one method is faster than another is the verdict of
-that run's interval:
+Each run directory under bench-results/ holds what ``python -m benchmarks
+--out DIR`` wrote: results.json, results.md (the run's full tables),
+breakdown.png and logs. The page links each run's results.md rather than
+copying it; between the markers below it carries only tables rendered from
+the runs' results.json by the benchmark's own report code, so that a number
+or a comparison there is the one of a run in the repository, and a method
+said to be faster than another is the verdict of that run's interval:
 
-- docs/benchmarks.md, ``<!-- targets -->`` ... ``<!-- end targets -->``: the
-  targets, each met, missed, or not separable from noise (:data:`TARGETS`);
-- docs/benchmarks.md, ``<!-- runs -->`` ... ``<!-- end runs -->``: one section
-  per run of :data:`RUNS`: its verdicts in words, its tables, command and
-  breakdown picture (plotted again into docs/img/);
-- docs/benchmarks.md, ``<!-- time -->`` ... ``<!-- end time -->``: the
-  diagnostic jobs of the runs with rounds and ``--diagnostics``
-  (:data:`TIME_RUNS`);
-- README.md, ``<!-- results in brief -->`` ... ``<!-- end results in brief -->``.
+- ``<!-- targets -->`` ... ``<!-- end targets -->``: the targets, each met,
+  missed, or not separable from noise (:data:`TARGETS`), against the
+  communication-bound runs (:data:`TARGET_RUNS`);
+- ``<!-- runs -->`` ... ``<!-- end runs -->``: an index of the runs of
+  :data:`RUNS`, one row each (configuration, rounds, ACP-SGD's verdicts
+  against S-SGD and Power-SGD (hvd_acp), duration, links to its results.md
+  and breakdown picture), and every run's command as it runs from the
+  checkout today (:func:`shown_command`); the breakdown pictures are
+  plotted into docs/img/ as ``bench_<run>.png``;
+- ``<!-- time -->`` ... ``<!-- end time -->``: the diagnostic jobs of the
+  runs with rounds and ``--diagnostics`` (:data:`TIME_RUNS`).
 
 The hand-written parts around the markers are kept. A run ``DIR`` may have a
 second invocation of the same command in ``DIR_rerun``: the targets then say
-whether it passes ``python -m benchmarks check`` against ``DIR``. A results.json
-written before ``--rounds`` existed still renders (as one round, with no
-intervals and no verdicts); its targets read "not assessed". Each run's
-command is shown as it runs from the checkout today (:func:`shown_command`).
+whether it passes ``python -m benchmarks check`` against ``DIR``. A
+results.json without rounds still renders (as one round, with no intervals
+and no verdicts); its targets read "not assessed".
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -45,34 +48,30 @@ from hvd_acp.methods import label  # noqa: E402
 
 RUNS_MARKERS = ("<!-- runs -->", "<!-- end runs -->")
 TARGETS_MARKERS = ("<!-- targets -->", "<!-- end targets -->")
-BRIEF_MARKERS = ("<!-- results in brief -->", "<!-- end results in brief -->")
 TIME_MARKERS = ("<!-- time -->", "<!-- end time -->")
 RERUN_SUFFIX = "_rerun"
-#: How the results.json files in bench-results/ name the benchmark's command;
-#: with the same options it runs today as ``python -m benchmarks``.
+#: How the older results.json files in bench-results/ name the benchmark's
+#: command (newer ones record :data:`PROG`); with the same options it runs from
+#: the checkout as :data:`SHOWN_PROG`.
 RECORDED_PROGRAM = "hvd-acp-bench"
+SHOWN_PROG = f".venv/bin/{PROG}"
 
-#: (directory under bench-results/, section title), in page order.
+#: (directory under bench-results/, what the run is for), in page order.
 RUNS = (
-    ("resnet50_100mbit", "ResNet-50, 100 Mbit/s per node (S-SGD communication-bound)"),
-    ("resnet50_10gbit", "ResNet-50, 10 Gbit/s per node (S-SGD compute-bound)"),
-    ("resnet50_1gbit", "ResNet-50, 1 Gbit/s per node (S-SGD and ACP-SGD near the crossover)"),
-    ("resnet50_50mbit", "ResNet-50, 50 Mbit/s per node (S-SGD, Power-SGD, ACP-SGD)"),
-    ("bert-base_200mbit", "BERT-Base, 200 Mbit/s per node (S-SGD communication-bound)"),
-    ("bert-base_10gbit", "BERT-Base, 10 Gbit/s per node (S-SGD compute-bound)"),
-    ("bert-base_1gbit", "BERT-Base, 1 Gbit/s per node"),
-    ("bert-base_b32_75mbit",
-     "BERT-Base, the paper's batch of 32 per rank, 75 Mbit/s per node (Power-SGD and ACP-SGD)"),
-    ("resnet50_100mbit_cycle50", "ResNet-50, 100 Mbit/s per node, 50 ms Horovod cycle"),
-    ("bert-base_200mbit_cycle50", "BERT-Base, 200 Mbit/s per node, 50 ms Horovod cycle"),
-    ("resnet50_100mbit_default_cycle",
-     "ResNet-50, 100 Mbit/s per node, Horovod's default 1 ms cycle"),
-    ("resnet50_100mbit_rerun",
-     "ResNet-50, 100 Mbit/s per node: the second invocation of the first run's command"),
-    ("bert-base_b32_75mbit_rerun",
-     "BERT-Base, batch 32, 75 Mbit/s per node: the second invocation of its command"),
-    ("small_np4_100mbit",
-     "The small model at 4 ranks (2 per core), 100 Mbit/s per node (latency-bound)"),
+    ("resnet50_100mbit", "ResNet-50, S-SGD communication-bound"),
+    ("resnet50_10gbit", "ResNet-50, S-SGD compute-bound"),
+    ("resnet50_1gbit", "ResNet-50, S-SGD and ACP-SGD near the crossover"),
+    ("resnet50_50mbit", "ResNet-50, a slower link"),
+    ("bert-base_200mbit", "BERT-Base, S-SGD communication-bound"),
+    ("bert-base_10gbit", "BERT-Base, S-SGD compute-bound"),
+    ("bert-base_1gbit", "BERT-Base, in between"),
+    ("bert-base_b32_75mbit", "BERT-Base, the paper's batch of 32 per rank"),
+    ("resnet50_100mbit_cycle50", "ResNet-50, 50 ms Horovod cycle"),
+    ("bert-base_200mbit_cycle50", "BERT-Base, 50 ms Horovod cycle"),
+    ("resnet50_100mbit_default_cycle", "ResNet-50, Horovod's default 1 ms cycle"),
+    ("resnet50_100mbit_rerun", "second invocation of `resnet50_100mbit`'s command"),
+    ("bert-base_b32_75mbit_rerun", "second invocation of `bert-base_b32_75mbit`'s command"),
+    ("small_np4_100mbit", "the small model, 4 ranks on 2 cores (latency-bound)"),
 )
 
 #: Columns of the targets table: the communication-bound runs.
@@ -82,13 +81,6 @@ TARGET_RUNS = (
     ("bert-base_b32_75mbit", "BERT-Base, batch 32, 75 Mbit/s"),
     ("resnet50_100mbit_cycle50", "ResNet-50, 100 Mbit/s, 50 ms cycle"),
     ("bert-base_200mbit_cycle50", "BERT-Base, 200 Mbit/s, 50 ms cycle"),
-)
-
-#: Rows of README's results in brief.
-BRIEF_RUNS = (
-    ("resnet50_100mbit", "ResNet-50, 100 Mbit/s, rank 4"),
-    ("bert-base_200mbit", "BERT-Base, 200 Mbit/s, rank 32"),
-    ("bert-base_b32_75mbit", "BERT-Base, batch 32, 75 Mbit/s, rank 32"),
 )
 
 #: Rows of "where the time goes": runs with rounds and diagnostics.
@@ -165,8 +157,10 @@ def _ratio_text(ratio: Dict[str, Any], digits: int = 2) -> str:
 
 def shown_command(recorded: str) -> str:
     """A run's recorded command line, as it runs from the checkout today."""
-    program, _, options = recorded.partition(" ")
-    return f"{PROG} {options}".rstrip() if program == RECORDED_PROGRAM else recorded
+    for program in (RECORDED_PROGRAM, PROG):
+        if recorded == program or recorded.startswith(program + " "):
+            return (SHOWN_PROG + recorded[len(program):]).rstrip()
+    return recorded
 
 
 def load(results_dir: Path, run: str) -> Optional[Dict[str, Any]]:
@@ -176,7 +170,7 @@ def load(results_dir: Path, run: str) -> Optional[Dict[str, Any]]:
         return None
     results = json.loads(path.read_text(encoding="utf-8"))
     if "ratios" not in results:
-        report.derive(results)      # written before rounds: one round, no intervals
+        report.derive(results)      # one block of steps per job: one round, no intervals
     return results
 
 
@@ -257,104 +251,63 @@ def targets_table(results_dir: Path) -> List[str]:
     return lines
 
 
-def verdict_sentences(results: Dict[str, Any]) -> List[str]:
-    """Every step comparison of the run in words, straight from its verdicts."""
+def _link(mbit: Optional[float]) -> str:
+    if not mbit:
+        return "localhost, no emulation"
+    if mbit >= 1000:
+        return f"{mbit / 1000:g} Gbit/s"
+    return f"{mbit:g} Mbit/s"
+
+
+def acp_against(results: Dict[str, Any], other: str) -> str:
+    """``other``'s step over ACP-SGD's with the verdict for ACP-SGD; n/a without ``other``."""
+    ratio = report.find_ratio(results, other, "acp", "step")
+    if ratio is None:
+        return "n/a"
     if (results.get("rounds") or 1) < 2:
-        return []       # the run's own text says it has no intervals
-    said = []
-    for ratio in results.get("ratios", []):
-        if ratio["what"] != "step":
-            continue
-        a, b = report.name(ratio["a"]), report.name(ratio["b"])
-        if ratio["b"] == report.FLOOR:
-            words = {"slower": "is slower than the floor",
-                     "same": "is not separable from the floor",
-                     "faster": "ran faster than the floor (the floor's measurement was disturbed)"}
-            said.append(f"{a} {words[ratio['verdict']]} ({_ratio_text(ratio)} of it)")
-            continue
-        # As the tables print it: the other method's step over this one's.
-        speed = report.find_ratio(results, ratio["b"], ratio["a"], "step")
-        if ratio["verdict"] == "same":
-            said.append(f"{a} and {b}: no measurable difference ({b}'s step is "
-                        f"{_ratio_text(speed)} {a}'s)")
-        elif ratio["verdict"] == "faster":
-            said.append(f"{a} is faster than {b} ({b}'s step is {_ratio_text(speed)} {a}'s)")
-        else:
-            said.append(f"{a} is slower than {b} (its step is {_ratio_text(ratio)} {b}'s)")
-    return ["Verdicts (step times, paired inside each round): " + "; ".join(said) + "."]
+        return f"{_ratio_text(ratio)}, one round: no verdict"
+    # ``other`` slower than ACP-SGD is ACP-SGD faster.
+    word = {"slower": "faster", "faster": "slower",
+            "same": "no measurable difference"}[ratio["verdict"]]
+    return f"{_ratio_text(ratio)}, {word}"
 
 
-def run_section(results_dir: Path, run: str, title: str, img: Path, doc: Path) -> List[str]:
-    results = load(results_dir, run)
-    results["config"]["command"] = shown_command(results["config"].get("command", ""))
-    lines = report.markdown(results).splitlines()
-    heading = lines[0].lstrip("# ").strip()
-    body = []
-    for line in lines[1:]:
-        if line.startswith("- ") or line.startswith("Topology:"):
-            continue        # column notes and topology: once, in the hand-written part
-        if line.strip() or (body and body[-1].strip()):
-            body.append(line)       # no runs of blank lines where a line was dropped
-    while body and not body[-1].strip():
-        body.pop()
-    picture = img / f"bench_{run.replace('-', '_')}.png"
-    picture.parent.mkdir(parents=True, exist_ok=True)
-    report.plot_breakdown(results, picture)
-    rel = picture.relative_to(doc.parent).as_posix()
-    return [f"## {title}", "",
-            f"{heading}; `bench-results/{run}/` (`{PROG}` outputs: results.json, "
-            "results.md, breakdown.png, logs, per-rank raw results).",
-            "", *(line for sentence in verdict_sentences(results) for line in (sentence, "")),
-            *body, "", f"![{title}]({rel})", ""]
-
-
-def brief_table(results_dir: Path) -> List[str]:
-    """README's results in brief: steps with intervals, ACP-SGD's verdicts."""
-    lines = ["| model, link | rounds | S-SGD step | Power-SGD step (hvd_acp / DDP hook) "
-             "| ACP-SGD step (hvd_acp / DDP hook) "
-             "| ACP-SGD against S-SGD / Power-SGD (hvd_acp) / DDP hook "
-             "| DDP: acp_hook against powerSGD_hook | bytes/step/rank S-SGD -> ACP |",
-             "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: |"]
-    for run, title in BRIEF_RUNS:
+def runs_index(results_dir: Path, img: Path, doc: Path) -> List[str]:
+    """One row per run of :data:`RUNS`, then every run's command; plots the pictures."""
+    lines = ["| run | model, batch per rank, ranks, link | rounds "
+             "| ACP-SGD against S-SGD | ACP-SGD against Power-SGD (hvd_acp) | run took "
+             "| outputs |",
+             "|---|---|---:|---|---|---:|---|"]
+    commands = []
+    for run, title in RUNS:
         results = load(results_dir, run)
         if results is None:
+            print(f"skipping {run}: no results.json", file=sys.stderr)
             continue
-        methods, rounds = results["methods"], results.get("rounds") or 1
-
-        def step(m):
-            e = methods.get(m) or {}
-            if e.get("step_s_median") is None:
-                return "n/a"
-            return report.fmt_range(e["step_s_median"], e.get("step_s_low"),
-                                     e.get("step_s_high"), 2) + " s"
-
-        def speedup(other, of):
-            """``other``'s step over ``of``'s, with ``of``'s verdict."""
-            ratio = report.find_ratio(results, other, of, "step")
-            if ratio is None:
-                return None
-            word = ("" if rounds < 2 else {"slower": ", faster", "faster": ", slower",
-                                           "same": ", no measurable difference"}[ratio["verdict"]])
-            return f"{_ratio_text(ratio)}{word}"
-
-        # Every position kept (a run without a method says n/a there).
-        against = [speedup(o, "acp") or "n/a" for o in ("ssgd", "powersgd", "powersgd-ddp")]
-        if all(t == "n/a" for t in against):
-            against = []
-        ddp = speedup("powersgd-ddp", "acp-ddp") or "n/a"
-        sent = lambda m: (methods.get(m) or {}).get("bytes_sent_per_step")  # noqa: E731
-        data = (f"{sent('ssgd') / 1e6:.1f} MB -> {sent('acp') / 1e6:.2f} MB"
-                if sent("ssgd") and sent("acp") else "n/a")
-        lines.append(f"| {title} | {rounds} | {step('ssgd')} "
-                     f"| {step('powersgd')} / {step('powersgd-ddp')} "
-                     f"| {step('acp')} / {step('acp-ddp')} | {' / '.join(against) or 'n/a'} "
-                     f"| {ddp} | {data} |")
-    lines += ["", "Steps: medians over the rounds [interval of the median, 96.9% with 6 "
-              "rounds]. ACP-SGD's comparisons: the other method's step over ACP-SGD's, paired "
-              "inside each round, with the verdict of its interval (faster, slower, or no "
-              "measurable difference). A run of 1 round (one block of steps per method) has "
-              "no interval and no verdict."]
-    return lines
+        config = results["config"]
+        picture = img / f"bench_{run.replace('-', '_')}.png"
+        picture.parent.mkdir(parents=True, exist_ok=True)
+        report.plot_breakdown(results, picture)
+        table = Path(os.path.relpath(results_dir / run / "results.md", doc.parent)).as_posix()
+        plot = Path(os.path.relpath(picture, doc.parent)).as_posix()
+        seconds = results.get("duration_s")
+        took = "not recorded" if seconds is None else f"{seconds / 60:.1f} min"
+        lines.append(
+            f"| `{run}`: {title} | {config['model']}, {config['batch_size']}, {config['np']}, "
+            f"{_link(config.get('bandwidth_mbit'))} | {results.get('rounds') or 1} "
+            f"| {acp_against(results, 'ssgd')} | {acp_against(results, 'powersgd')} | {took} "
+            f"| [results]({table}), [breakdown]({plot}) |")
+        commands.append(shown_command(config.get("command", "")))
+    if not commands:
+        return ["No runs in bench-results/ yet."]
+    return lines + [
+        "", "ACP-SGD against another method: that method's step over ACP-SGD's, paired "
+        "inside each round, median [interval of the median over the rounds], and the "
+        "verdict of the interval: faster or slower only where it excludes 1.0. A run of "
+        "one round has no interval and no verdict. Every other comparison, the bytes, "
+        "compression times and the per-phase split are in the run's results.md.",
+        "", "<details><summary>The commands of these runs</summary>", "", "```sh",
+        *commands, "```", "", "</details>"]
 
 
 def time_table(results_dir: Path) -> List[str]:
@@ -397,25 +350,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, default=REPO / "bench-results")
     parser.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
-    parser.add_argument("--readme", type=Path, default=REPO / "README.md")
     parser.add_argument("--img", type=Path, default=REPO / "docs" / "img")
     args = parser.parse_args(argv)
-    sections: List[str] = []
-    for run, title in RUNS:
-        if not (args.results / run / "results.json").exists():
-            print(f"skipping {run}: no results.json", file=sys.stderr)
-            continue
-        sections += run_section(args.results, run, title, args.img, args.doc)
     text = args.doc.read_text(encoding="utf-8")
-    text = replace_marked(text, RUNS_MARKERS, sections, args.doc)
+    text = replace_marked(text, RUNS_MARKERS, runs_index(args.results, args.img, args.doc),
+                          args.doc)
     text = replace_marked(text, TARGETS_MARKERS, targets_table(args.results), args.doc)
     text = replace_marked(text, TIME_MARKERS, time_table(args.results), args.doc)
     args.doc.write_text(text, encoding="utf-8")
     print(f"wrote {args.doc}")
-    readme = args.readme.read_text(encoding="utf-8")
-    args.readme.write_text(replace_marked(readme, BRIEF_MARKERS, brief_table(args.results),
-                                    args.readme), encoding="utf-8")
-    print(f"wrote {args.readme}")
     return 0
 
 

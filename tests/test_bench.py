@@ -274,7 +274,7 @@ def test_markdown_shows_intervals_verdicts_and_a_disturbed_floor(tmp_path):
 def test_results_without_rounds_still_render():
     results = _results(FIGURES, rounds=1)
     for entry in list(results["methods"].values()) + [results["compute_only"]]:
-        entry.update(entry.pop("per_round")[0])      # the layout before rounds
+        entry.update(entry.pop("per_round")[0])      # a results file with one block of steps per job
     results.pop("rounds")
     report.derive(results)
     assert results["rounds"] == 1
@@ -354,12 +354,13 @@ def test_bench_doc_judges_targets_from_the_intervals(tmp_path, monkeypatch):
     results = tmp_path / "results"
     _write(results / "resnet50_100mbit" / "results.json", dict(_results(figures), duration_s=900))
     _write(results / "resnet50_100mbit_rerun" / "results.json", _results(figures))
-    doc, readme = tmp_path / "benchmarks.md", tmp_path / "README.md"
+    (results / "resnet50_100mbit" / "results.md").write_text(
+        report.markdown(_results(figures)))
+    doc = tmp_path / "benchmarks.md"
     doc.write_text("intro\n<!-- targets -->\nold\n<!-- end targets -->\nmiddle\n"
                    "<!-- runs -->\nold\n<!-- end runs -->\n<!-- time -->\n<!-- end time -->\nend\n")
-    readme.write_text("<!-- results in brief -->\n<!-- end results in brief -->\n")
-    assert bench_doc.main(["--results", str(results), "--doc", str(doc), "--readme",
-                           str(readme), "--img", str(tmp_path / "img")]) == 0
+    assert bench_doc.main(["--results", str(results), "--doc", str(doc),
+                           "--img", str(tmp_path / "img")]) == 0
     text = doc.read_text()
     assert text.startswith("intro\n") and "\nmiddle\n" in text and text.endswith("end\n")
     rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines()
@@ -371,9 +372,24 @@ def test_bench_doc_judges_targets_from_the_intervals(tmp_path, monkeypatch):
     assert "**missed**" in rows["ACP-SGD within 1.15x of the floor"]
     assert "15.0 min: **met**" in rows["whole run (all rounds, all jobs) <= 20 min"]
     assert "all overlap: **met**" in text
-    assert "ACP-SGD is faster than S-SGD" in text and "![" in text
+    # The runs index: one row per run with ACP-SGD's verdicts, linking the
+    # run's own results.md and breakdown picture instead of copying its tables.
+    title = dict(bench_doc.RUNS)["resnet50_100mbit"]
+    row = rows[f"`resnet50_100mbit`: {title}"]
+    ssgd = report.find_ratio(_results(figures), "ssgd", "acp")
+    assert f"| 6 | {ssgd['median']:.2f}x [{ssgd['low']:.2f}, {ssgd['high']:.2f}], faster |" in row
+    assert "| small, 32, 2, 100 Mbit/s |" in row and "| 15.0 min |" in row
+    assert "[results](results/resnet50_100mbit/results.md)" in row
+    assert "[breakdown](img/bench_resnet50_100mbit.png)" in row
     assert (tmp_path / "img" / "bench_resnet50_100mbit.png").exists()
-    assert "ResNet-50, 100 Mbit/s, rank 4 | 6 |" in readme.read_text()
+    assert "\n.venv/bin/python -m benchmarks test\n" in text      # its command, as run today
+    for line in (results / "resnet50_100mbit" / "results.md").read_text().splitlines():
+        if line.startswith("| "):
+            assert line not in text, f"copied from results.md: {line}"
+    assert "| method |" not in text and "| A against B" not in text
+    # README carries no generated part: there is nothing to point bench_doc at.
+    with pytest.raises(SystemExit):
+        bench_doc.main(["--results", str(results), "--doc", str(doc), "--readme", "README.md"])
     # "Where the time goes" lists only runs with diagnostics: none here.
     assert "| run | floor (1 process) |" in text and "(`resnet50_100mbit`" not in text
 

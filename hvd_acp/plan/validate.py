@@ -22,8 +22,9 @@ the run's own ranks after its steps. The Gloo one (torch.distributed, no
 cycle) gives the latency of one ring step, ``alpha = t / (2(N-1))``; the
 Horovod one, beyond what the timeline already predicts for it (the wait
 for the cycle and the ring's latency), gives Horovod's negotiation per
-cycle (``Settings.horovod_negotiation_s``). Runs without the probes (made
-before they existed, or without ``--diagnostics``) get 0 for both.
+cycle (``Settings.horovod_negotiation_s``). Runs without the probes (no
+``--diagnostics``, or results files that have no probe entries) get 0 for
+both.
 
 Network stack: with a link calibration (:mod:`.link`, ``--link-calibration``)
 the emulated network's own CPU cost per byte, at the run's link rate, is
