@@ -274,7 +274,7 @@ def test_markdown_shows_intervals_verdicts_and_a_disturbed_floor(tmp_path):
 def test_results_without_rounds_still_render():
     results = _results(FIGURES, rounds=1)
     for entry in list(results["methods"].values()) + [results["compute_only"]]:
-        entry.update(entry.pop("per_round")[0])      # a results file with one block of steps per job
+        entry.update(entry.pop("per_round")[0])      # one block of steps per job
     results.pop("rounds")
     report.derive(results)
     assert results["rounds"] == 1
