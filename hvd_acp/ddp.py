@@ -195,6 +195,11 @@ class ACPState:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
+        if not hasattr(optimizer, "_optimizer_step_pre_hooks"):
+            raise TypeError(
+                f"optimizer is a {type(optimizer).__name__}, a wrapper without the step hooks "
+                "of torch.optim.Optimizer (Accelerate's AcceleratedOptimizer is one): pass the "
+                "torch optimizer it wraps (its .optimizer)")
         if self.optimizer is not None:
             raise RuntimeError("this ACPState has an optimizer already")
         if self._started:
@@ -205,13 +210,13 @@ class ACPState:
                 [(_GROUP_NAME.format(i, j), param)
                  for i, group in enumerate(optimizer.param_groups)
                  for j, param in enumerate(group["params"])])
-        self.optimizer = optimizer
         if self.step_ahead:
-            self._step_ahead = StepAhead(_Residuals(self.compression, self._params), optimizer,
-                                         self.step_ahead)
+            step_ahead = StepAhead(_Residuals(self.compression, self._params), optimizer,
+                                   self.step_ahead)
             self._finalizer = weakref.finalize(
-                self, _release, self._step_ahead, _register_step_hooks(optimizer,
-                                                                       self._step_ahead))
+                self, _release, step_ahead, _register_step_hooks(optimizer, step_ahead))
+            self._step_ahead = step_ahead
+        self.optimizer = optimizer
 
     # ---------------------------------------------------------------- state
     def _name_parameters(self, named_parameters: Iterable[Tuple[str, Tensor]]) -> None:
@@ -473,14 +478,33 @@ def _register_step_hooks(optimizer: torch.optim.Optimizer, step_ahead: StepAhead
     """Around every ``optimizer.step()``: the update applies to the true
     weights, and the next gradient is taken ahead of them again.
 
+    ``optimizer.step(closure)`` (PyTorch Lightning's automatic optimization,
+    L-BFGS) runs the forward and backward passes inside the step: the true
+    weights come back once the closure has returned, before the update.
     The hooks hold the step-ahead state weakly: they do not keep it alive.
     """
     ref = weakref.ref(step_ahead)
 
+    def restore_after(closure):
+        @functools.wraps(closure)
+        def wrapped(*args, **kwargs):
+            loss = closure(*args, **kwargs)
+            this = ref()
+            if this is not None:
+                this.restore()
+            return loss
+        return wrapped
+
     def before_step(opt, args, kwargs):
+        # args are step()'s own: (optimizer, closure?).
+        if len(args) > 1 and callable(args[1]):
+            return (args[0], restore_after(args[1]), *args[2:]), kwargs
+        if callable(kwargs.get("closure")):
+            return args, dict(kwargs, closure=restore_after(kwargs["closure"]))
         this = ref()
         if this is not None:
             this.restore()
+        return None
 
     def after_step(opt, args, kwargs):
         this = ref()

@@ -17,7 +17,7 @@ from hvd_acp.compression import Phase
 from tests.hvdrun import run_with_timeout, torchrun
 
 TWO_RANK_CASES = ["replicas", "full_rank", "error_feedback", "no_sync", "unused", "dtypes",
-                  "nonfinite", "step_ahead", "checkpoint", "errors"]
+                  "nonfinite", "step_ahead", "step_ahead_closure", "checkpoint", "errors"]
 
 NO_HOROVOD = textwrap.dedent("""
     import importlib.abc, sys
@@ -130,6 +130,15 @@ def test_names_from_the_optimizer_given_or_attached():
         attached.attach_optimizer(opt)
     with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
         hvd_acp.ddp.ACPState().attach_optimizer(net)
+
+    class Wrapper(torch.optim.Optimizer):       # as Accelerate's AcceleratedOptimizer
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+    unwrapped = hvd_acp.ddp.ACPState()
+    with pytest.raises(TypeError, match="a Wrapper, a wrapper without the step hooks.*"
+                                        r"\.optimizer"):
+        unwrapped.attach_optimizer(Wrapper(opt))
+    assert unwrapped.optimizer is None
     attached.close()
 
 

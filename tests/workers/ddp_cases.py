@@ -531,6 +531,31 @@ def case_attach_optimizer(_):
                  lambda: late.attach_optimizer(late_opt))
 
 
+def case_step_ahead_closure(_):
+    """optimizer.step(closure), as PyTorch Lightning steps: the forward and
+    backward passes inside the step see the shifted weights, the update
+    applies to the true ones: the same bits as step() after backward()."""
+    plain, plain_state, plain_opt = acp_model()
+    closed, closed_state, closed_opt = acp_model()
+    for i in range(6):
+        x, y = batch(rank(), i)
+        step(plain, plain_opt, x, y)
+
+        def closure():
+            closed_opt.zero_grad()
+            loss = F.cross_entropy(closed(x), y)
+            loss.backward()
+            return loss
+        if i % 2:
+            closed_opt.step(closure=closure)
+        else:
+            closed_opt.step(closure)
+        assert torch.equal(flat(closed.module), flat(plain.module)), f"step {i}"
+    assert_replicas_identical(flat(closed.module))
+    plain_state.close()
+    closed_state.close()
+
+
 def case_needs_optimizer(_):
     """Step-ahead on (the default) and no optimizer: the first backward
     raises on every rank instead of silently training without it."""
