@@ -61,5 +61,10 @@ else
 fi
 
 log "installing hvd_acp (editable) with its extras"
-"${PIP[@]}" install -q -e ".[horovod,examples,bench,test]"
+# The extras (Lightning, Accelerate, Transformers among them) must never
+# replace the torch installed above (nor pull a CUDA build): pin it.
+TORCH_PIN=$(mktemp)
+trap 'rm -f "$TORCH_PIN"' EXIT
+"$PY" -c 'import torch; print("torch==" + torch.__version__)' > "$TORCH_PIN"
+"${PIP[@]}" install -q -c "$TORCH_PIN" -e ".[horovod,examples,bench,test]"
 log "done: $("$PY" -c 'import torch, horovod; print("torch", torch.__version__, "horovod", horovod.__version__)')"
