@@ -487,7 +487,9 @@ def case_resume_rank0_file(directory):
     assert state2.step_count == total
     assert_replicas_identical(flat(model2.module))
     resumed = eval_loss(model2)
-    assert abs(resumed - uninterrupted) <= 0.05 * uninterrupted, (resumed, uninterrupted)
+    gap = abs(resumed - uninterrupted) / uninterrupted
+    report(f"GAP resume_rank0_file {rank()} {gap:.4f}")
+    assert gap <= 0.05, (resumed, uninterrupted)
     state2.close()
 
 
