@@ -23,7 +23,12 @@ from typing import Dict, Iterable, Optional, Tuple
 import torch
 from torch import nn
 
-OPTIMIZERS = ("ssgd", "powersgd", "acp")
+from hvd_acp.methods import HOROVOD, REGISTRY
+from hvd_acp.methods import get as get_method
+
+#: ``--optimizer`` choices: hvd_acp's registry of methods that run under
+#: horovodrun (``ssgd``, ``powersgd``, ``acp``).
+OPTIMIZERS = tuple(key for key, method in REGISTRY.items() if method.launcher == HOROVOD)
 
 
 # ----------------------------------------------------------------- arguments
@@ -31,9 +36,8 @@ def add_common_args(parser: argparse.ArgumentParser, *, matrix_rank: int, epochs
                     lr: float, batch_size: int) -> None:
     """The flags shared by the Horovod examples, with each script's own defaults."""
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="acp",
-                        help="ssgd: hvd.DistributedOptimizer (full gradients); "
-                             "powersgd: hvd_acp.PowerSGDOptimizer; "
-                             "acp: hvd_acp.DistributedOptimizer (default: %(default)s)")
+                        help="; ".join(f"{key}: {REGISTRY[key].implementation}"
+                                       for key in OPTIMIZERS) + " (default: %(default)s)")
     add_training_args(parser, matrix_rank=matrix_rank, epochs=epochs, lr=lr,
                       batch_size=batch_size)
 
@@ -68,50 +72,26 @@ def add_training_args(parser: argparse.ArgumentParser, *, matrix_rank: int, epoc
                         help="rank 0 writes the results and the config to PATH as JSON")
 
 
-def optimizer_class(name: str):
-    """The distributed optimizer class behind ``--optimizer name``.
-
-    Resolved before ``hvd.init()`` so that a missing class stops every rank
-    at once with a clear message, never one rank inside a collective.
-    """
-    if name == "ssgd":
-        import horovod.torch as hvd
-        return hvd.DistributedOptimizer
-    import hvd_acp
-    if name == "acp":
-        return hvd_acp.DistributedOptimizer
-    if name == "powersgd":
-        cls = getattr(hvd_acp, "PowerSGDOptimizer", None)
-        if cls is None:
-            raise SystemExit(
-                f"--optimizer powersgd needs hvd_acp.PowerSGDOptimizer, which the installed "
-                f"hvd_acp ({os.path.dirname(hvd_acp.__file__)}, version "
-                f"{hvd_acp.__version__}) does not provide; update hvd_acp or use "
-                "--optimizer acp or ssgd")
-        return cls
-    raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {name!r}")
-
-
-def distributed_optimizer(name: str, optimizer: torch.optim.Optimizer,
-                          named_parameters: Iterable[Tuple[str, torch.Tensor]], *,
+def distributed_optimizer(name: str, optimizer: torch.optim.Optimizer, model: nn.Module, *,
                           matrix_rank: int, warmup_steps: int, seed: int,
                           step_ahead: Optional[float] = None, diagnostics: bool = False):
     """Wrap ``optimizer`` for Horovod: the one line a user changes.
 
     ``ssgd`` is ``hvd.DistributedOptimizer(optimizer, named_parameters)``;
-    ``acp`` and ``powersgd`` take the same arguments plus their own.
+    ``acp`` and ``powersgd`` take the same arguments plus their own
+    (``hvd_acp.methods`` builds each).
     """
-    cls = optimizer_class(name)
-    if name == "ssgd":
+    method = get_method(name)
+    if method.algorithm == "S-SGD":
         if warmup_steps or step_ahead is not None or diagnostics:
             raise SystemExit("--warmup-steps, --step-ahead and --diagnostics only apply to "
                              "--optimizer acp or powersgd")
-        return cls(optimizer, named_parameters=named_parameters)
+        return method.build(model, optimizer).optimizer
     extra = {} if step_ahead is None else {"step_ahead": step_ahead}
     if diagnostics:
         extra["diagnostics"] = True
-    return cls(optimizer, named_parameters=named_parameters, matrix_rank=matrix_rank,
-               warmup_steps=warmup_steps, seed=seed, **extra)
+    return method.build(model, optimizer, matrix_rank=matrix_rank, warmup_steps=warmup_steps,
+                        seed=seed, **extra).optimizer
 
 
 def write_diagnostics(path: str, optimizer, step_losses) -> None:

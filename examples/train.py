@@ -26,7 +26,7 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 from common import (ByteMeter, DigitsCNN, add_common_args, allreduce_sums,
-                    distributed_optimizer, finish_run, load_digits_split, optimizer_class,
+                    distributed_optimizer, finish_run, load_digits_split,
                     write_diagnostics)
 
 
@@ -64,8 +64,6 @@ def evaluate(model: torch.nn.Module, dataset) -> dict:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    optimizer_class(args.optimizer)  # a missing optimizer stops every rank here
-
     hvd.init()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -82,7 +80,7 @@ def main(argv=None) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
                                 nesterov=args.nesterov, weight_decay=args.weight_decay)
     extra = {"diagnostics": True} if args.diagnostics else {}
-    optimizer = distributed_optimizer(args.optimizer, optimizer, model.named_parameters(),
+    optimizer = distributed_optimizer(args.optimizer, optimizer, model,
                                       matrix_rank=args.matrix_rank,
                                       warmup_steps=args.warmup_steps, seed=args.seed,
                                       step_ahead=args.step_ahead, **extra)

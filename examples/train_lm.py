@@ -35,7 +35,7 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 from common import (ByteMeter, add_common_args, allreduce_sums, distributed_optimizer,
-                    finish_run, optimizer_class)
+                    finish_run)
 
 VOCAB_SIZE = 256
 VALIDATION_BUCKET = 10   # one file in ten (by path hash) is validation
@@ -170,8 +170,6 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    optimizer_class(args.optimizer)  # a missing optimizer stops every rank here
-
     hvd.init()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -189,7 +187,7 @@ def main(argv=None) -> dict:
     model = TransformerLM(args.seq_len, args.d_model, args.layers, args.heads)
     lr = args.lr * hvd.size()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=args.weight_decay)
-    optimizer = distributed_optimizer(args.optimizer, optimizer, model.named_parameters(),
+    optimizer = distributed_optimizer(args.optimizer, optimizer, model,
                                       matrix_rank=args.matrix_rank,
                                       warmup_steps=args.warmup_steps, seed=args.seed,
                                       step_ahead=args.step_ahead)
