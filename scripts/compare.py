@@ -96,7 +96,8 @@ class Task:
 #: (row label, ``--optimizer`` of the examples, extra flags): the Horovod methods
 #: of hvd_acp.methods, each named by its algorithm.
 METHODS = tuple((m.algorithm, m.key, ()) for m in REGISTRY.values() if m.launcher == HOROVOD)
-# The settings that bring ACP-SGD within 2% of S-SGD on the LM (see lm-sweep).
+# Two settings compared with ACP-SGD's defaults on the LM: a higher rank, and
+# exact steps before compression starts (see lm-sweep).
 LM_ACP_SETTINGS = (("ACP-SGD, rank 48", "acp", ("--matrix-rank", "48")),
                    ("ACP-SGD, warm-up 300", "acp", ("--warmup-steps", "300")))
 
@@ -167,7 +168,7 @@ def make_tasks(args) -> List[Task]:
                               main_runs))
         if "lm-sweep" in args.tasks:
             tasks.append(Task("lm-sweep", "train_lm.py",
-                              "Closing the gap on the LM: learning rate, matrix rank, "
+                              "The LM across learning rate, matrix rank and "
                               "warm-up", lm_sweep_runs()))
     if "grid" in args.tasks:
         tasks.append(Task("grid", "train.py",
