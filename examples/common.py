@@ -72,6 +72,15 @@ def add_training_args(parser: argparse.ArgumentParser, *, matrix_rank: int, epoc
                         help="rank 0 writes the results and the config to PATH as JSON")
 
 
+def add_framework_args(parser: argparse.ArgumentParser, *, out: str) -> None:
+    """The flags of the framework examples (Lightning, Accelerate, the Trainer)."""
+    parser.add_argument("--no-acp", action="store_true", help="plain DDP averaging")
+    parser.add_argument("--matrix-rank", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=0.025, help="per process; scaled by it")
+    parser.add_argument("--out", default=out, help="checkpoints (default: %(default)s)")
+
+
 def distributed_optimizer(name: str, optimizer: torch.optim.Optimizer, model: nn.Module, *,
                           matrix_rank: int, warmup_steps: int, seed: int,
                           step_ahead: Optional[float] = None, diagnostics: bool = False):

@@ -24,17 +24,13 @@ import torch.nn.functional as F
 from accelerate import Accelerator, DataLoaderConfiguration
 from torch.utils.data import DataLoader
 
-from common import DigitsCNN, gradient_bytes, load_digits_split
+from common import DigitsCNN, add_framework_args, gradient_bytes, load_digits_split
 from hvd_acp.integrations.accelerate import register_acp
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--no-acp", action="store_true", help="plain DDP averaging")
-    parser.add_argument("--matrix-rank", type=int, default=4)
-    parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=0.025, help="per process; scaled by it")
-    parser.add_argument("--out", default="runs/accelerate-digits")
+    add_framework_args(parser, out="runs/accelerate-digits")
     parser.add_argument("--resume", metavar="DIR", help="a folder of accelerator.save_state")
     args = parser.parse_args()
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from common import DigitsCNN, gradient_bytes, load_digits_split
+from common import DigitsCNN, add_framework_args, gradient_bytes, load_digits_split
 from hvd_acp.integrations.lightning import ACPCallback
 
 
@@ -62,13 +62,9 @@ class PrintAccuracy(L.Callback):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--no-acp", action="store_true", help="plain DDP averaging")
-    parser.add_argument("--matrix-rank", type=int, default=4)
-    parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=0.025, help="per process; scaled by it")
+    add_framework_args(parser, out="runs/lightning-digits")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--out", default="runs/lightning-digits")
     parser.add_argument("--resume", metavar="PATH", help="checkpoint to resume from")
     args = parser.parse_args()
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from common import DigitsCNN, gradient_bytes, load_digits_split
+from common import DigitsCNN, add_framework_args, gradient_bytes, load_digits_split
 from hvd_acp.integrations.transformers import register_acp
 
 
@@ -58,11 +58,7 @@ def accuracy(prediction):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--no-acp", action="store_true", help="plain DDP averaging")
-    parser.add_argument("--matrix-rank", type=int, default=4)
-    parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=0.025, help="per process; scaled by it")
-    parser.add_argument("--out", default="runs/trainer-digits")
+    add_framework_args(parser, out="runs/trainer-digits")
     parser.add_argument("--resume", action="store_true", help="from the last checkpoint in --out")
     args = parser.parse_args()
 
