@@ -41,5 +41,6 @@ setup(
         "test": ["pytest", "pytest-timeout", "scikit-learn",
                  *sorted({req for reqs in INTEGRATIONS.values() for req in reqs})],
     },
-    entry_points={"console_scripts": ["hvd-acp-plan=hvd_acp.plan.__main__:main"]},
+    entry_points={"console_scripts": ["hvd-acp-plan=hvd_acp.plan.__main__:main",
+                                      "hvd-acp-ab=hvd_acp.ab.__main__:main"]},
 )

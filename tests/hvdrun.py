@@ -58,6 +58,12 @@ def run_with_timeout(cmd: list[str], timeout: float, what: str,
     return _run(cmd, timeout, what, env)[1]
 
 
+def run_status(cmd: list[str], timeout: float, what: str,
+               env: dict | None = None) -> tuple[int, str]:
+    """Run ``cmd`` from the repository; (exit status, output), or a test failure on timeout."""
+    return _run(cmd, timeout, what, env)
+
+
 def _run(cmd: list[str], timeout: float, what: str, env: dict | None) -> tuple[int, str]:
     """(exit status, output) of ``cmd`` run from the repository with one
     thread per process; on timeout its whole process group is killed and the

@@ -1,20 +1,32 @@
-"""The built-in models: ``hvd-acp-plan --model NAME`` and the repository's benchmark.
+"""The models that the planner, the A/B tool and the benchmark time.
 
-``resnet50`` and ``bert-base`` are built from ``transformers`` configs with
-random weights (nothing is downloaded); ``small`` is a little MLP for smoke
-runs. Every model comes with a fixed synthetic batch and a loss function, so
-a training step is ``loss_fn(model, batch).backward()``.
+``--model NAME`` is one of the built-in models or a model of the user's:
+
+* ``resnet50`` and ``bert-base`` are built from ``transformers`` configs with
+  random weights (nothing is downloaded); ``small`` is a little MLP for smoke
+  runs.
+* ``package.module:function`` (or ``path/to/file.py:function``) names a
+  function of the user's, called as ``function(batch_size)``, that returns
+  ``(model, batch)`` or ``(model, batch, loss_fn)`` (:func:`build_user_model`).
+
+Every model comes with a fixed synthetic batch and a loss function, so a
+training step is ``loss_fn(model, batch).backward()``.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict
+import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Dict
 
 import torch
 from torch import Tensor, nn
 
 __all__ = ["MODELS", "DEFAULT_BATCH_SIZE", "ModelSpec", "SmallNet", "build_model",
-           "default_matrix_rank"]
+           "build_user_model", "is_user_model", "default_matrix_rank", "check_model_name"]
 
 #: Model names accepted by ``--model``.
 MODELS = ("resnet50", "bert-base", "small")
@@ -43,8 +55,30 @@ class ModelSpec:
     description: str
 
 
+def is_user_model(name: str) -> bool:
+    """Whether ``--model name`` names a user's function (``module:function``)."""
+    return ":" in name
+
+
+def check_model_name(name: str) -> str:
+    """``name`` if it is a built-in model or ``module:function``; ``ValueError`` otherwise.
+
+    For ``argparse``'s ``type=``: the function itself is imported later, on
+    every rank.
+    """
+    if name in MODELS:
+        return name
+    module, sep, function = name.rpartition(":")
+    if sep and module and function.isidentifier():
+        return name
+    raise ValueError(f"--model must be one of {', '.join(MODELS)} or "
+                     f"'package.module:function' / 'path/to/file.py:function', got {name!r}")
+
+
 def default_matrix_rank(model: str) -> int:
-    """The paper's ``matrix_rank`` for ``model``."""
+    """The paper's ``matrix_rank`` for ``model``; hvd_acp's default (4) for a user's model."""
+    if is_user_model(model):
+        return 4
     if model not in _DEFAULT_MATRIX_RANK:
         raise ValueError(f"model must be one of {MODELS}, got {model!r}")
     return _DEFAULT_MATRIX_RANK[model]
@@ -78,7 +112,8 @@ def build_model(name: str, batch_size: int, *, image_size: int = 128, seq_len: i
     """Build ``name`` with weights from ``torch.manual_seed(0)`` and a synthetic batch.
 
     Args:
-        name: one of :data:`MODELS`.
+        name: one of :data:`MODELS`, or ``module:function`` (:func:`build_user_model`;
+            the other keyword arguments do not apply to it).
         batch_size: samples per batch (per rank).
         image_size: height and width of ResNet inputs.
         seq_len: tokens per BERT sequence.
@@ -92,6 +127,8 @@ def build_model(name: str, batch_size: int, *, image_size: int = 128, seq_len: i
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if is_user_model(name):
+        return build_user_model(name, batch_size)
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1000 + data_seed)
     if name == "small":
@@ -121,3 +158,90 @@ def build_model(name: str, batch_size: int, *, image_size: int = 128, seq_len: i
                          f"transformers BertForSequenceClassification (BERT-Base), "
                          f"sequence length {seq_len}")
     raise ValueError(f"model must be one of {MODELS}, got {name!r}")
+
+
+def _import_function(target: str) -> Callable[..., Any]:
+    module_name, _, function_name = check_model_name(target).rpartition(":")
+    if module_name.endswith(".py") or os.sep in module_name:
+        path = Path(module_name).resolve()
+        if not path.is_file():
+            raise ValueError(f"--model {target!r}: no file {path}")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        # As ``python -m`` does: a module beside the user is importable.
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ValueError(f"--model {target!r}: cannot import {module_name!r} ({exc}); "
+                             "it must be importable from the current directory or "
+                             "PYTHONPATH, or be given as path/to/file.py:function") from exc
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise ValueError(f"--model {target!r}: {module_name!r} has no function "
+                         f"{function_name!r}")
+    return function
+
+
+def _call(model: nn.Module, batch: Any) -> Any:
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def _default_loss(model: nn.Module, batch: Any) -> Tensor:
+    """The model's own loss (``output.loss``) or a scalar output; else the mean
+    square of the output, a stand-in that times the same backward pass."""
+    out = _call(model, batch)
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, dict):
+        loss = out.get("loss")
+    if loss is not None:
+        return loss
+    if isinstance(out, Tensor):
+        return out if out.dim() == 0 else out.float().square().mean()
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
+        return out[0].float().square().mean()
+    raise ValueError(f"the model returned {type(out).__name__}, which has no loss: return "
+                     "(model, batch, loss_fn) from the --model function")
+
+
+def build_user_model(target: str, batch_size: int) -> ModelSpec:
+    """The model of the user's function ``target`` (``package.module:function`` or
+    ``path/to/file.py:function``).
+
+    The function is called as ``function(batch_size)`` after
+    ``torch.manual_seed(0)`` and returns ``(model, batch)`` or
+    ``(model, batch, loss_fn)``:
+
+    * ``model``: an ``nn.Module`` (on the CPU; the caller moves it);
+    * ``batch``: one step's inputs: a dict of tensors (``model(**batch)``), a
+      tuple (``model(*batch)``) or a tensor (``model(batch)``);
+    * ``loss_fn(model, batch)``: the scalar loss. Without it the loss is the
+      model's own (an output with ``.loss``, as ``transformers`` models give
+      when the batch has labels, or a scalar output), else the mean square of
+      the output: a stand-in with the same backward pass, for timing only.
+    """
+    function = _import_function(target)
+    torch.manual_seed(0)
+    built = function(batch_size)
+    if isinstance(built, ModelSpec):
+        return built
+    if not isinstance(built, (tuple, list)) or len(built) not in (2, 3):
+        raise ValueError(f"--model {target!r} must return (model, batch) or "
+                         f"(model, batch, loss_fn), got {type(built).__name__}")
+    model, batch = built[0], built[1]
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"--model {target!r} returned {type(model).__name__} as its model, "
+                         "not a torch.nn.Module")
+    loss_fn = built[2] if len(built) == 3 else _default_loss
+    if not callable(loss_fn):
+        raise ValueError(f"--model {target!r}: its loss_fn is not callable")
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return ModelSpec(model.train(), batch, loss_fn,
+                     f"{target} ({type(model).__name__}, {params / 1e6:.2f} M parameters)")

@@ -1,0 +1,186 @@
+"""``hvd-acp-ab`` / ``python -m hvd_acp.ab``: will ACP-SGD pay here? Measured.
+
+Run it inside the launch you train with, on your hosts and devices::
+
+    horovodrun -np 16 -H a:8,b:8 hvd-acp-ab --model resnet50 --device cuda
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m hvd_acp.ab --ddp --model my.models:build
+
+One job times every method of ``--methods`` in rotating rounds on the same
+processes and devices, with no emulation: what it reports is what your
+cluster does. Rank 0 prints a table (median step with its interval, samples
+per second, bytes per step, ACP-SGD's speed-up over each other method with a
+verdict) and a one-line recommendation, and writes ``ab.json`` and ``ab.md``
+to ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from ..methods import HOROVOD, KEYS, TORCHRUN, get
+from ..plan.models import DEFAULT_BATCH_SIZE, build_model, check_model_name, default_matrix_rank
+from ..plan.units import positive_int
+from . import report
+from .runner import Settings, measure
+from .world import start
+
+#: ``--methods`` by default: S-SGD in fp32 and fp16, Power-SGD and ACP-SGD.
+DEFAULT_METHODS = {HOROVOD: ("ssgd", "ssgd-fp16", "powersgd", "acp"),
+                   TORCHRUN: ("ddp", "ddp-fp16", "powersgd-ddp-batched", "acp-ddp")}
+#: ``--batch-size`` of a user's model when not given.
+DEFAULT_USER_BATCH_SIZE = 32
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hvd-acp-ab",
+        description="Time S-SGD, Power-SGD and ACP-SGD on this launch's ranks and devices "
+                    "in rotating rounds, and say whether ACP-SGD pays here. Run it under "
+                    "horovodrun, or under torchrun with --ddp.")
+    p.add_argument("--model", type=_model_name, default="resnet50",
+                   help="resnet50, bert-base, small, or your own model as "
+                        "package.module:function or path/to/file.py:function; the "
+                        "function gets the batch size and returns (model, batch) or "
+                        "(model, batch, loss_fn) (default resnet50)")
+    p.add_argument("--ddp", action="store_true",
+                   help="measure the DDP methods (torch.distributed, under torchrun) "
+                        "instead of Horovod's")
+    p.add_argument("--methods", default=None,
+                   help="comma-separated keys of hvd_acp.methods (default: "
+                        f"{','.join(DEFAULT_METHODS[HOROVOD])}; with --ddp: "
+                        f"{','.join(DEFAULT_METHODS[TORCHRUN])})")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="cuda: one device per local rank (default: cuda where torch sees "
+                        "one, else cpu)")
+    p.add_argument("--batch-size", type=positive_int, default=None,
+                   help="per rank (default: " + ", ".join(
+                       f"{m} {b}" for m, b in DEFAULT_BATCH_SIZE.items())
+                   + f", your model {DEFAULT_USER_BATCH_SIZE})")
+    p.add_argument("--matrix-rank", type=positive_int, default=None,
+                   help="factor rank (default 4; 32 for bert-base)")
+    p.add_argument("--rounds", type=positive_int, default=6,
+                   help="rounds, every method once per round (default 6: the fewest "
+                        "that give a 95%% interval)")
+    p.add_argument("--steps", type=positive_int, default=5,
+                   help="timed steps per method and round (default 5)")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed steps before them (default 3)")
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch threads per rank on CPUs (default: the node's cores over "
+                        "its ranks)")
+    p.add_argument("--image-size", type=positive_int, default=128,
+                   help="resnet50's input size (default 128)")
+    p.add_argument("--seq-len", type=positive_int, default=64,
+                   help="bert-base's sequence length (default 64)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="folder for ab.json and ab.md (rank 0 writes them)")
+    return p
+
+
+def _model_name(text: str) -> str:
+    try:
+        return check_model_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_methods(text: Optional[str], launcher: str) -> List[str]:
+    """``--methods`` checked against the registry and the launch: every method
+    must run under ``launcher``. ``ValueError`` naming the fix otherwise."""
+    keys: List[str] = []
+    items = DEFAULT_METHODS[launcher] if text is None else text.split(",")
+    for item in (part.strip().lower() for part in items):
+        if item and item not in keys:
+            keys.append(item)
+    if not keys:
+        raise ValueError(f"--methods names no method; choose from {', '.join(KEYS)}")
+    for key in keys:
+        method = get(key)
+        if method.launcher != launcher:
+            where = ("torchrun, with --ddp" if method.launcher == TORCHRUN
+                     else "horovodrun, without --ddp")
+            raise ValueError(f"--methods {key} runs under {where}; this run measures the "
+                             f"{'DDP' if launcher == TORCHRUN else 'Horovod'} methods")
+    return keys
+
+
+def _threads(requested: Optional[int], local_size: int) -> int:
+    if requested is not None:
+        return requested
+    return max(1, (os.cpu_count() or 1) // max(1, local_size))
+
+
+def _versions() -> Dict[str, str]:
+    found = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import horovod
+        found["horovod"] = horovod.__version__
+    except ImportError:
+        pass
+    return found
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    launcher = TORCHRUN if args.ddp else HOROVOD
+    try:
+        methods = parse_methods(args.methods, launcher)
+    except ValueError as exc:
+        print(f"hvd-acp-ab: error: {exc}", file=sys.stderr)
+        return 2
+    if args.warmup < 0:
+        print("hvd-acp-ab: error: --warmup must be >= 0", file=sys.stderr)
+        return 2
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    world = start(launcher, device)
+    if world.size < 2:
+        world.shutdown()
+        print("hvd-acp-ab: error: one rank: nothing is communicated. Run it under "
+              + ("torchrun --nproc-per-node N -m hvd_acp.ab --ddp ..." if args.ddp
+                 else "horovodrun -np N hvd-acp-ab ..."), file=sys.stderr)
+        return 2
+    threads = _threads(args.threads, world.local_size) if device == "cpu" else \
+        torch.get_num_threads()
+    torch.set_num_threads(threads)
+    batch_size = args.batch_size or DEFAULT_BATCH_SIZE.get(args.model, DEFAULT_USER_BATCH_SIZE)
+    matrix_rank = args.matrix_rank or default_matrix_rank(args.model)
+    spec = build_model(args.model, batch_size, image_size=args.image_size,
+                       seq_len=args.seq_len, data_seed=world.rank)
+    settings = Settings(methods=methods, rounds=args.rounds, steps=args.steps,
+                        warmup=args.warmup, matrix_rank=matrix_rank, lr=args.lr)
+    config: Dict[str, Any] = {
+        "model": args.model, "model_description": spec.description, "ranks": world.size,
+        "launcher": "horovodrun" if launcher == HOROVOD else "torchrun",
+        "device": str(world.device.type), "batch_size": batch_size,
+        "matrix_rank": matrix_rank, "rounds": args.rounds, "steps": args.steps,
+        "warmup": args.warmup, "lr": args.lr, "threads": threads,
+        "ranks_per_node": world.local_size, "versions": _versions()}
+
+    def progress(line: str) -> None:
+        if world.rank == 0:
+            print(f"hvd-acp-ab: {line}", file=sys.stderr, flush=True)
+
+    measured = measure(world, spec, settings, progress)
+    if world.rank == 0:
+        summary = report.summarize(measured, batch_size * world.size)
+        text = report.markdown(config, summary)
+        print(text, flush=True)
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "ab.json").write_text(json.dumps(
+                {"config": config, "measured": measured, "summary": summary}, indent=1))
+            (args.out / "ab.md").write_text(text)
+    world.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

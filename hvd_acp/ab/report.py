@@ -1,0 +1,158 @@
+"""What an A/B run found: intervals, paired ratios, verdicts and one recommendation.
+
+Pure functions of the measurements (:func:`.runner.measure`), testable in
+one process. A method's step is the median of its round figures with a
+distribution-free interval; a comparison with ACP-SGD is the median of the
+per-round ratios, with its interval and verdict (:mod:`.rounds`).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+from ..methods import get
+from .rounds import CONFIDENCE, Interval, median_interval, paired_ratios, verdict
+
+__all__ = ["CANDIDATES", "summarize", "recommendation", "markdown"]
+
+#: The method the A/B run is about, by preference: hvd_acp's optimizer, then its DDP hook.
+CANDIDATES = ("acp", "acp-ddp")
+
+
+def _interval(values: Sequence[float], log: bool = False) -> Dict[str, Any]:
+    found = median_interval(values, log=log)
+    return {**found.as_dict(), "coverage": found.coverage, "n": found.n}
+
+
+def _candidate(methods: Sequence[str]) -> Optional[str]:
+    return next((key for key in CANDIDATES if key in methods), None)
+
+
+def summarize(measured: Dict[str, Dict[str, Any]], samples_per_step: int) -> Dict[str, Any]:
+    """Per method its step interval, throughput and bytes; per other method its
+    ratio to the candidate (ACP-SGD) with a verdict; the recommendation.
+
+    Args:
+        measured: :func:`.runner.measure`'s result.
+        samples_per_step: samples of one step over all ranks.
+    """
+    methods: Dict[str, Any] = {}
+    for key, entry in measured.items():
+        step = _interval(entry["rounds"])
+        summary = {"label": get(key).label, "title": get(key).title, "step_s": step,
+                   "samples_per_s": samples_per_step / step["median"],
+                   "rounds_s": list(entry["rounds"]), "last_loss": entry["loss"][-1]}
+        for field in ("bytes_per_step", "allreduces_per_step", "compression_s_per_step"):
+            if entry.get(field):
+                summary[field] = sorted(entry[field])[len(entry[field]) // 2]
+        methods[key] = summary
+    candidate = _candidate(list(measured))
+    comparisons: Dict[str, Any] = {}
+    if candidate is not None:
+        mine = dict(enumerate(measured[candidate]["rounds"]))
+        for key, entry in measured.items():
+            if key == candidate:
+                continue
+            ratios = paired_ratios(dict(enumerate(entry["rounds"])), mine)
+            if not ratios:
+                continue
+            # other's step / candidate's step: above 1.0 the candidate is faster.
+            speedup = median_interval(ratios, log=True)
+            comparisons[key] = {**_interval(ratios, log=True),
+                                "verdict": _verdict_for_candidate(speedup)}
+    summary = {"candidate": candidate, "methods": methods, "speedup": comparisons}
+    summary["recommendation"] = recommendation(summary)
+    return summary
+
+
+def _verdict_for_candidate(speedup: Interval) -> str:
+    """``faster`` when the candidate's step is shorter (the other's step over
+    the candidate's is above 1.0 throughout the interval)."""
+    reverse = Interval(1 / speedup.median, 1 / speedup.high, 1 / speedup.low,
+                       speedup.coverage, speedup.n)
+    return verdict(reverse)
+
+
+def _fmt_interval(entry: Dict[str, Any], digits: int = 2, suffix: str = "x") -> str:
+    return (f"{entry['median']:.{digits}f}{suffix} "
+            f"[{entry['low']:.{digits}f}, {entry['high']:.{digits}f}]")
+
+
+def _confidence(entry: Dict[str, Any]) -> str:
+    return f"{entry['coverage']:.0%} interval over {entry['n']} rounds"
+
+
+def recommendation(summary: Dict[str, Any]) -> str:
+    """One line: is ACP-SGD faster than the fastest other method measured?
+
+    With fewer rounds than a 95% interval needs (6), the line says that the
+    interval is narrower than it looks and that the run decides nothing yet.
+    """
+    line = _recommendation(summary)
+    speedups = list(summary["speedup"].values())
+    if speedups and speedups[0]["coverage"] < CONFIDENCE:
+        line += (f" Caution: {speedups[0]['n']} rounds give a {speedups[0]['coverage']:.0%} "
+                 "interval only; decide on --rounds 6 or more.")
+    return line
+
+
+def _recommendation(summary: Dict[str, Any]) -> str:
+    methods, candidate = summary["methods"], summary["candidate"]
+    fastest = min(methods, key=lambda key: methods[key]["step_s"]["median"])
+    if candidate is None:
+        return (f"{methods[fastest]['label']} is the fastest method measured "
+                f"({methods[fastest]['step_s']['median']:.4f} s per step); "
+                "add acp (or acp-ddp with --ddp) to --methods to compare ACP-SGD.")
+    others = [key for key in methods if key != candidate and key in summary["speedup"]]
+    if not others:
+        return f"Only {methods[candidate]['label']} was measured: nothing to compare with."
+    rival = min(others, key=lambda key: methods[key]["step_s"]["median"])
+    ratio = summary["speedup"][rival]
+    me, them = methods[candidate]["label"], methods[rival]["label"]
+    if ratio["verdict"] == "faster":
+        return (f"{me} is {_fmt_interval(ratio)} faster than {them}, the fastest other method "
+                f"here ({_confidence(ratio)}): use it.")
+    inverse = {"median": 1 / ratio["median"], "low": 1 / ratio["high"],
+               "high": 1 / ratio["low"]}
+    if ratio["verdict"] == "slower":
+        return (f"{them} is {_fmt_interval(inverse)} faster than {me} here "
+                f"({_confidence(ratio)}): compression does not pay on this cluster and "
+                f"model; keep {them}.")
+    return (f"{me} and {them} cannot be told apart here: {them}'s step over {me}'s is "
+            f"{_fmt_interval(ratio)} ({_confidence(ratio)}). Compression does not clearly "
+            "pay; more rounds (--rounds) narrow the interval.")
+
+
+#: A verdict of the candidate against another method, in the table.
+_SAY = {"faster": "faster", "slower": "slower", "same": "not separable"}
+
+
+def _mb(value: Optional[float]) -> str:
+    return "n/a" if value is None else f"{value / 1e6:.3f}"
+
+
+def markdown(config: Dict[str, Any], summary: Dict[str, Any]) -> str:
+    """The run as a short markdown report: settings, the table, the recommendation."""
+    candidate = summary["candidate"]
+    cand_label = summary["methods"][candidate]["label"] if candidate else None
+    lines: List[str] = [
+        f"# A/B: {config['model_description']}",
+        "",
+        f"{config['ranks']} ranks ({config['launcher']}, {config['device']}), batch "
+        f"{config['batch_size']} per rank, matrix rank {config['matrix_rank']}, "
+        f"{config['rounds']} rounds of {config['steps']} timed steps after "
+        f"{config['warmup']} untimed, {config['threads']} torch threads per rank.",
+        "",
+        "| method | step (s), median [interval] | samples/s | MB per step per rank"
+        + (f" | {cand_label} faster by |" if candidate else " |"),
+        "|---|---|---|---|" + ("---|" if candidate else ""),
+    ]
+    for key, entry in summary["methods"].items():
+        row = (f"| {entry['title']} | {_fmt_interval(entry['step_s'], 4, '')} | "
+               f"{entry['samples_per_s']:.1f} | {_mb(entry.get('bytes_per_step'))} |")
+        if candidate:
+            ratio = summary["speedup"].get(key)
+            row += (f" {_fmt_interval(ratio)} ({_SAY[ratio['verdict']]}) |" if ratio
+                    else " (itself) |")
+        lines.append(row)
+    lines += ["", summary["recommendation"], ""]
+    return "\n".join(lines)

@@ -1,0 +1,164 @@
+"""Time several methods in rotating rounds on the same processes and devices.
+
+Every round trains each method once, in an order that rotates from round to
+round (:func:`.rounds.round_order`): a fresh copy of the same initial
+weights, a torch SGD optimizer wrapped by the method
+(:meth:`hvd_acp.methods.Method.build`), ``warmup`` untimed steps, then
+``steps`` timed ones. A step counts as done when the slowest rank is done
+(:func:`.rounds.combine_ranks`); a method's figure for a round is its median
+step. Methods of one round run back to back on the same ranks, so the
+ratios between them (computed per round, :mod:`.report`) cancel what drifts
+slowly: the cluster's other jobs, the clocks of the devices.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from ..methods import TORCHRUN, get
+from ..plan.models import ModelSpec
+from .rounds import combine_ranks, percentile, round_order
+from .world import World
+
+__all__ = ["Settings", "to_device", "measure"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What one A/B run measures.
+
+    Attributes:
+        methods: keys of :mod:`hvd_acp.methods`, all for the launch's launcher.
+        rounds: how many rounds (each method once per round).
+        steps: timed steps per method and round.
+        warmup: untimed steps before them (an implementation that must start
+            with more exact steps, torch's ``powerSGD_hook``, gets its
+            minimum instead).
+        matrix_rank: rank of the compressed methods' factors.
+        lr: learning rate of the SGD optimizer (momentum 0.9) under every method.
+    """
+
+    methods: Sequence[str]
+    rounds: int = 6
+    steps: int = 5
+    warmup: int = 3
+    matrix_rank: int = 4
+    lr: float = 0.01
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` (a tensor, or dicts / tuples / lists of them) on ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(value, device) for value in batch)
+    return batch
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _ddp_options(world: World) -> Dict[str, Any]:
+    # The ranks start from the same weights (broadcast once), so DDP's initial
+    # broadcast is skipped; buffers are not broadcast at every forward either,
+    # as with Horovod's methods (and the repository's benchmark).
+    options: Dict[str, Any] = {"init_sync": False, "broadcast_buffers": False}
+    if world.device.type == "cuda":
+        options["device_ids"] = [world.device.index]
+    return options
+
+
+def _one(world: World, key: str, template: torch.nn.Module, spec: ModelSpec,
+         settings: Settings) -> Dict[str, Any]:
+    """Train ``key`` once from a copy of ``template``: this rank's step times and counters."""
+    method = get(key)
+    model = copy.deepcopy(template)
+    optimizer = torch.optim.SGD(model.parameters(), lr=settings.lr, momentum=0.9)
+    options: Dict[str, Any] = {}
+    if method.launcher == TORCHRUN:
+        options["ddp_options"] = _ddp_options(world)
+    warmup = settings.warmup
+    if method.min_warmup_steps:
+        warmup = max(warmup, method.min_warmup_steps)
+        options["warmup_steps"] = warmup
+    built = method.build(model, optimizer, matrix_rank=settings.matrix_rank, **options)
+    counters = built.counters
+    times: List[float] = []
+    start = None
+    loss = None
+    try:
+        for index in range(warmup + settings.steps):
+            if index == warmup:
+                _sync(world.device)
+                start = counters() if counters is not None else None
+            began = time.perf_counter()
+            built.optimizer.zero_grad()
+            loss = spec.loss_fn(built.model, spec.batch)
+            loss.backward()
+            built.optimizer.step()
+            _sync(world.device)
+            if index >= warmup:
+                times.append(time.perf_counter() - began)
+        end = counters() if counters is not None else None
+        last_loss = float(loss.detach()) if loss is not None else float("nan")
+    finally:
+        close = getattr(built.optimizer, "close", None)
+        if callable(close):
+            close()
+        del built, model, optimizer
+        gc.collect()
+        if world.device.type == "cuda":
+            torch.cuda.empty_cache()
+    result: Dict[str, Any] = {"step_s": times, "loss": last_loss}
+    if start is not None and settings.steps:
+        result["bytes_per_step"] = (end.bytes_sent - start.bytes_sent) / settings.steps
+        result["allreduces_per_step"] = (end.allreduces - start.allreduces) / settings.steps
+        result["compression_s_per_step"] = (
+            (end.compression_seconds - start.compression_seconds) / settings.steps)
+    return result
+
+
+def measure(world: World, spec: ModelSpec, settings: Settings,
+            progress: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
+    """Every method of ``settings`` in ``settings.rounds`` rotating rounds.
+
+    Returns, identical on every rank, ``{key: {"rounds": [round figures],
+    "step_s": [every combined step], "bytes_per_step": ..., ...}}`` where a
+    round figure is the median of the round's combined steps (slowest rank
+    per step).
+    """
+    template = spec.model.to(world.device)
+    world.broadcast_parameters(template)
+    spec = dataclasses.replace(spec, batch=to_device(spec.batch, world.device))
+    out: Dict[str, Dict[str, Any]] = {key: {"rounds": [], "step_s": [], "loss": []}
+                                      for key in settings.methods}
+    for round_index in range(settings.rounds):
+        for key in round_order(list(settings.methods), round_index):
+            world.barrier()
+            mine = _one(world, key, template, spec, settings)
+            everyone = world.allgather(mine)
+            steps = combine_ranks([r["step_s"] for r in everyone])
+            entry = out[key]
+            entry["rounds"].append(percentile(steps, 50))
+            entry["step_s"].extend(steps)
+            entry["loss"].append(everyone[0]["loss"])
+            for field in ("bytes_per_step", "allreduces_per_step", "compression_s_per_step"):
+                if field in mine:
+                    # Bytes and all-reduces are the same on every rank; the
+                    # compression time is the slowest rank's.
+                    values = [r[field] for r in everyone]
+                    entry.setdefault(field, []).append(
+                        max(values) if field == "compression_s_per_step" else values[0])
+            if progress is not None:
+                progress(f"round {round_index + 1}/{settings.rounds}: {key} "
+                         f"{entry['rounds'][-1]:.4f} s/step")
+    return out

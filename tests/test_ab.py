@@ -1,0 +1,197 @@
+"""The A/B tool (``hvd-acp-ab``): its statistics and report in one process, then
+real runs under ``horovodrun`` and ``torchrun`` on a built-in model and on a
+user's model given as ``module:function``.
+
+Timings are never asserted (the machines that run the suite are shared);
+what is asserted is what the tool must get right whatever the timings: the
+methods, rounds and bytes it records, the direction of its ratios and
+verdicts, and clear errors instead of hangs.
+"""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hvd_acp.ab import report
+from hvd_acp.ab.__main__ import parse_methods
+from hvd_acp.ab.runner import to_device
+from hvd_acp.methods import HOROVOD, TORCHRUN, get
+from hvd_acp.plan.models import build_model, build_user_model, check_model_name
+from tests.hvdrun import REPO, run_status, run_with_timeout
+
+BIN = Path(sys.executable).parent
+USER_MODEL = "tests/workers/ab_user_model.py"
+
+
+# ------------------------------------------------------------ report, pure
+def _measured(rounds_by_key, bytes_by_key=None):
+    bytes_by_key = bytes_by_key or {}
+    return {key: {"rounds": list(rounds), "step_s": list(rounds), "loss": [1.0],
+                  **({"bytes_per_step": [bytes_by_key[key]] * len(rounds)}
+                     if key in bytes_by_key else {})}
+            for key, rounds in rounds_by_key.items()}
+
+
+def test_summary_ratios_are_other_over_acp_paired_by_round():
+    # The machine slows down from round to round; ACP-SGD is 2x faster than
+    # S-SGD in every round: the paired ratio is exactly 2 despite the drift.
+    measured = _measured({"ssgd": [2.0, 4.0, 6.0, 8.0, 10.0, 12.0],
+                          "acp": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]},
+                         {"ssgd": 1000.0, "acp": 50.0})
+    summary = report.summarize(measured, samples_per_step=64)
+    assert summary["candidate"] == "acp"
+    ratio = summary["speedup"]["ssgd"]
+    assert ratio["median"] == pytest.approx(2.0) and ratio["low"] == pytest.approx(2.0)
+    assert ratio["verdict"] == "faster" and ratio["coverage"] >= 0.95
+    assert summary["methods"]["acp"]["bytes_per_step"] == 50.0
+    assert summary["methods"]["ssgd"]["samples_per_s"] == pytest.approx(64 / 7.0)
+    line = summary["recommendation"]
+    assert line.startswith("ACP-SGD is 2.00x [2.00, 2.00] faster than S-SGD")
+    assert "use it" in line and "Caution" not in line
+
+
+def test_recommendation_names_the_fastest_other_method_when_acp_loses():
+    measured = _measured({"ssgd": [1.0] * 6, "powersgd": [3.0] * 6,
+                          "acp": [1.5, 1.4, 1.6, 1.5, 1.45, 1.55]})
+    summary = report.summarize(measured, samples_per_step=8)
+    assert summary["speedup"]["ssgd"]["verdict"] == "slower"
+    assert summary["speedup"]["powersgd"]["verdict"] == "faster"
+    line = summary["recommendation"]
+    assert line.startswith("S-SGD is ") and "keep S-SGD" in line
+
+
+def test_recommendation_says_not_separable_and_warns_on_few_rounds():
+    measured = _measured({"ssgd": [1.0, 1.2], "acp": [1.1, 1.1]})
+    summary = report.summarize(measured, samples_per_step=8)
+    line = summary["recommendation"]
+    assert "cannot be told apart" in line
+    assert "Caution: 2 rounds give a 50% interval" in line
+
+
+def test_markdown_lists_every_method_with_bytes_and_ratio():
+    measured = _measured({"powersgd-ddp": [2.0] * 6, "acp-ddp": [1.0] * 6},
+                         {"acp-ddp": 2_000_000.0})
+    config = {"model_description": "m", "ranks": 2, "launcher": "torchrun", "device": "cpu",
+              "batch_size": 4, "matrix_rank": 4, "rounds": 6, "steps": 5, "warmup": 3,
+              "threads": 1}
+    summary = report.summarize(measured, samples_per_step=8)
+    text = report.markdown(config, summary)
+    assert "| Power-SGD (torch DDP powerSGD_hook) |" in text
+    assert "| 2.000 | (itself) |" in text
+    assert "2.00x [2.00, 2.00] (faster)" in text
+    assert text.rstrip().endswith(summary["recommendation"])
+
+
+def test_methods_must_match_the_launch():
+    # The defaults: S-SGD in fp32 and fp16, Power-SGD, ACP-SGD, for each launcher.
+    for launcher in (HOROVOD, TORCHRUN):
+        keys = parse_methods(None, launcher)
+        assert len(keys) == 4 and {get(k).algorithm for k in keys} == {
+            "S-SGD", "Power-SGD", "ACP-SGD"}
+        assert all(get(k).launcher == launcher for k in keys)
+    assert parse_methods("acp, ssgd,acp", HOROVOD) == ["acp", "ssgd"]
+    with pytest.raises(ValueError, match="torchrun, with --ddp"):
+        parse_methods("ssgd,acp-ddp", HOROVOD)
+    with pytest.raises(ValueError, match="horovodrun, without --ddp"):
+        parse_methods("acp", TORCHRUN)
+    with pytest.raises(ValueError, match="must be one of"):
+        parse_methods("acp,nope", HOROVOD)
+
+
+# -------------------------------------------------------- a user's model
+def test_user_model_from_a_file_and_from_a_module(monkeypatch):
+    monkeypatch.chdir(REPO)
+    spec = build_user_model(f"{USER_MODEL}:build", 4)
+    loss = spec.loss_fn(spec.model, spec.batch)
+    loss.backward()
+    assert loss.dim() == 0 and spec.model.conv.weight.grad is not None
+    again = build_user_model("tests.workers.ab_user_model:build", 4)
+    # Seeded before the call: the same weights in every process.
+    assert torch.equal(spec.model.conv.weight, again.model.conv.weight)
+    plain = build_model(f"{USER_MODEL}:build_without_loss", 4)
+    assert plain.loss_fn(plain.model, plain.batch).dim() == 0
+    assert "Net" in plain.description
+
+
+def test_user_model_errors_are_clear(monkeypatch):
+    monkeypatch.chdir(REPO)
+    with pytest.raises(ValueError, match="must be one of"):
+        check_model_name("resnet")
+    with pytest.raises(ValueError, match="no file"):
+        build_user_model("nowhere/model.py:build", 2)
+    with pytest.raises(ValueError, match="cannot import"):
+        build_user_model("no_such_package.models:build", 2)
+    with pytest.raises(ValueError, match="has no function"):
+        build_user_model(f"{USER_MODEL}:missing", 2)
+    with pytest.raises(ValueError, match="must return"):
+        build_user_model(f"{USER_MODEL}:build_wrong", 2)
+
+
+def test_batches_move_to_the_device_whole():
+    batch = {"a": torch.ones(2), "b": (torch.zeros(1), [torch.ones(1)]), "n": 3}
+    moved = to_device(batch, torch.device("cpu"))
+    assert moved["n"] == 3 and isinstance(moved["b"], tuple)
+    assert torch.equal(moved["b"][1][0], torch.ones(1))
+
+
+# ------------------------------------------------------------- real runs
+def _read(out: Path) -> dict:
+    return json.loads((out / "ab.json").read_text())
+
+
+def _check_run(found: dict, methods, rounds: int, steps: int) -> None:
+    measured, summary = found["measured"], found["summary"]
+    assert list(measured) == list(methods)
+    for key in methods:
+        assert len(measured[key]["rounds"]) == rounds
+        assert len(measured[key]["step_s"]) == rounds * steps
+        assert all(t > 0 for t in measured[key]["step_s"])
+        assert all(torch.isfinite(torch.tensor(v)) for v in measured[key]["loss"])
+    assert summary["recommendation"]
+
+
+def test_ab_under_horovodrun_on_a_builtin_model(tmp_path):
+    methods = ("ssgd", "powersgd", "acp")
+    out = run_with_timeout(
+        [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo",
+         str(BIN / "hvd-acp-ab"), "--model", "small", "--methods", ",".join(methods),
+         "--rounds", "2", "--steps", "3", "--warmup", "2", "--device", "cpu",
+         "--out", str(tmp_path)], 240, "hvd-acp-ab under horovodrun")
+    assert "ACP-SGD" in out and "Caution: 2 rounds" in out, out[-3000:]
+    found = _read(tmp_path)
+    _check_run(found, methods, rounds=2, steps=3)
+    assert found["config"]["ranks"] == 2 and found["config"]["launcher"] == "horovodrun"
+    sent = {k: found["summary"]["methods"][k].get("bytes_per_step") for k in methods}
+    # ACP-SGD sends one factor per step, Power-SGD both: about half.
+    assert 0 < sent["acp"] < 0.7 * sent["powersgd"]
+    assert set(found["summary"]["speedup"]) == {"ssgd", "powersgd"}
+
+
+def test_ab_under_torchrun_on_a_user_model(tmp_path):
+    methods = ("powersgd-ddp", "acp-ddp")
+    out = run_with_timeout(
+        [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "hvd_acp.ab",
+         "--ddp", "--model", f"{USER_MODEL}:build", "--methods", ",".join(methods),
+         "--rounds", "2", "--steps", "2", "--warmup", "1", "--batch-size", "8",
+         "--device", "cpu", "--out", str(tmp_path)], 240, "hvd-acp-ab under torchrun")
+    found = _read(tmp_path)
+    _check_run(found, methods, rounds=2, steps=2)
+    assert found["config"]["launcher"] == "torchrun" and found["config"]["batch_size"] == 8
+    assert "ab_user_model.py:build (Net" in found["config"]["model_description"], out[-2000:]
+    assert found["summary"]["candidate"] == "acp-ddp"
+
+
+def test_ab_refuses_wrong_methods_and_single_rank_without_hanging(tmp_path):
+    status, out = run_status(
+        [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo",
+         sys.executable, "-m", "hvd_acp.ab", "--model", "small", "--methods", "acp-ddp",
+         "--out", str(tmp_path)], 120, "hvd-acp-ab with a DDP method under horovodrun")
+    assert status != 0 and "runs under torchrun, with --ddp" in out, out[-2000:]
+    assert not (tmp_path / "ab.json").exists()
+    status, out = run_status([sys.executable, "-m", "hvd_acp.ab", "--model", "small",
+                              "--methods", "acp", "--out", str(tmp_path)], 120,
+                             "hvd-acp-ab on one process")
+    assert status == 2 and "one rank: nothing is communicated" in out, out[-2000:]
+    assert not (tmp_path / "ab.json").exists()
