@@ -16,9 +16,8 @@ import torch
 
 from hvd_acp.ab import report
 from hvd_acp.ab.__main__ import parse_methods
-from hvd_acp.ab.runner import to_device
 from hvd_acp.methods import HOROVOD, TORCHRUN, get
-from hvd_acp.plan.models import build_model, build_user_model, check_model_name
+from hvd_acp.plan.models import build_model, build_user_model, check_model_name, to_device
 from tests.hvdrun import REPO, run_status, run_with_timeout
 
 BIN = Path(sys.executable).parent

@@ -259,6 +259,25 @@ def test_powersgd_ddp_chain_blocks_backward():
     assert pred.bytes_per_step == 3e6
 
 
+def test_acp_ddp_one_allreduce_per_bucket_overlapping_backward():
+    params = [{"name": "a", "bytes": 4e6, "ready_s": 0.5, "ddp_compressed": True,
+               "acp_p_s": 0.1, "acp_q_s": 0.2, "reconstruct_s": 0.05,
+               "ddp_p_bytes": 1e6, "ddp_q_bytes": 2e6},
+              {"name": "b", "bytes": 1e6, "ready_s": 1.0}]
+    prof = synthetic(params, backward=1.0, optimizer=0.0, ddp=[["a"], ["b"]])
+    pred = predict_methods(prof, Settings(np=2, network=net()), ["acp-ddp"])["acp-ddp"]
+    # P step: a ready at 1.5, hook 0.1, its 1 MB on the wire 1.6 -> 2.6, rebuilt 2.65;
+    # b ready at 2.0 + 0.1 (backward delayed by a's hook), on the wire after a: 2.6 -> 3.6.
+    # Q step: a's hook 0.2, 2 MB 1.7 -> 3.7, rebuilt 3.75; b 3.7 -> 4.7. Mean 4.15.
+    assert pred.step_s == pytest.approx((3.6 + 4.7) / 2)
+    assert pred.bytes_per_step == pytest.approx(((1e6 + 1e6) + (2e6 + 1e6)) / 2)
+    assert pred.allreduces_per_step == 2
+    assert pred.compression_s == pytest.approx((0.15 + 0.25) / 2)
+    # The hook is not serialized behind a chain as powerSGD_hook's is: faster here.
+    assert pred.step_s < predict_methods(prof, Settings(np=2, network=net()),
+                                         ["powersgd-ddp"])["powersgd-ddp"].step_s
+
+
 def test_settings_reject_bad_values():
     with pytest.raises(ValueError, match="np must be a positive int"):
         Settings(np=0, network=net())
@@ -387,7 +406,7 @@ def test_cli_predict_outputs(profile_file, tmp_path, capsys):
     plan = json.loads((out / "plan.json").read_text())
     assert len(plan["predictions"]) == 4
     entry = plan["predictions"][0]
-    assert set(entry["methods"]) == {"ssgd", "powersgd", "powersgd-ddp", "acp"}
+    assert set(entry["methods"]) == {"ssgd", "powersgd", "powersgd-ddp", "acp", "acp-ddp"}
     for fields in entry["methods"].values():
         for key in ("step_s", "compute_s", "compression_s", "exposed_comm_s",
                     "bytes_per_step", "speedup_vs_ssgd"):
@@ -424,6 +443,33 @@ def test_cli_predict_outputs(profile_file, tmp_path, capsys):
         assert (slower["predictions"][0]["methods"][m]["step_s"]
                 > base["methods"][m]["step_s"] + 0.004)
     assert "network stack 10.00 ns/byte" in (tmp_path / "slow" / "plan.md").read_text()
+
+
+def test_cli_profiles_a_users_model_as_one_rank_runs(tmp_path, capsys, monkeypatch):
+    from tests.hvdrun import REPO
+    monkeypatch.chdir(REPO)
+    threads = torch.get_num_threads()
+    try:
+        out = tmp_path / "profile.json"
+        assert main(["profile", "--model", "tests/workers/ab_user_model.py:build",
+                     "--batch-size", "4", "--steps", "1", "--repeats", "1",
+                     "--threads-per-rank", "1", "--out", str(out)]) == 0
+        profile = json.loads(out.read_text())
+        assert profile["torch_threads"] == 1 and profile["batch_size"] == 4
+        assert profile["model"] == "tests/workers/ab_user_model.py:build"
+        assert {p["name"] for p in profile["params"]} == {
+            "conv.weight", "conv.bias", "head.weight", "head.bias"}
+        assert "with 1 torch thread per rank" in capsys.readouterr().out
+        assert main(["--profile", str(out), "--np", "2", "--bandwidth", "100mbit", "--no-plot",
+                     "--out", str(tmp_path / "plan")]) == 0
+        plan_md = (tmp_path / "plan" / "plan.md").read_text()
+        assert "device cpu with 1 torch thread per rank" in plan_md
+        assert "ACP-SGD (DDP hook)" in plan_md or "acp-ddp" in plan_md
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(SystemExit):
+        main(["profile", "--model", "resnet", "--out", str(tmp_path / "x.json")])
+    assert "package.module:function" in capsys.readouterr().err
 
 
 def test_cli_errors(profile_file, tmp_path, capsys):

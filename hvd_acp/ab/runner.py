@@ -21,11 +21,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from ..methods import TORCHRUN, get
-from ..plan.models import ModelSpec
+from ..plan.models import ModelSpec, to_device
 from .rounds import combine_ranks, percentile, round_order
 from .world import World
 
-__all__ = ["Settings", "to_device", "measure"]
+__all__ = ["Settings", "measure"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,17 +49,6 @@ class Settings:
     warmup: int = 3
     matrix_rank: int = 4
     lr: float = 0.01
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` (a tensor, or dicts / tuples / lists of them) on ``device``."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, dict):
-        return {key: to_device(value, device) for key, value in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(to_device(value, device) for value in batch)
-    return batch
 
 
 def _sync(device: torch.device) -> None:

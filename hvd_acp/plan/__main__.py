@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from .models import DEFAULT_BATCH_SIZE, MODELS
+from .models import DEFAULT_BATCH_SIZE, MODELS, check_model_name
 from .units import number_type, parse_bandwidth_list, parse_int_list, positive_int
 
 SUBCOMMANDS = ("profile", "predict", "validate")
@@ -30,15 +30,34 @@ _positive_float = number_type(float, lambda v: v > 0, "a positive number")
 _non_negative_float = number_type(float, lambda v: v >= 0, "a number >= 0")
 
 
+#: ``--batch-size`` of a user's model when not given.
+DEFAULT_USER_BATCH_SIZE = 32
+
+
+def _model_name(text: str) -> str:
+    try:
+        return check_model_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _add_model_args(p: argparse.ArgumentParser, required: bool) -> None:
-    p.add_argument("--model", choices=MODELS, required=required,
-                   help="a built-in model (hvd_acp.plan.models), profiled on this machine")
+    p.add_argument("--model", type=_model_name, required=required,
+                   help=f"a built-in model ({', '.join(MODELS)}) or your own as "
+                        "package.module:function or path/to/file.py:function (it gets the "
+                        "batch size and returns (model, batch) or (model, batch, loss_fn)), "
+                        "profiled on this machine")
     p.add_argument("--batch-size", type=positive_int, default=None,
                    help="per rank (default: " + ", ".join(
-                       f"{m} {b}" for m, b in DEFAULT_BATCH_SIZE.items()) + ")")
+                       f"{m} {b}" for m, b in DEFAULT_BATCH_SIZE.items())
+                   + f", your model {DEFAULT_USER_BATCH_SIZE})")
     p.add_argument("--matrix-rank", type=positive_int, default=None,
                    help="factor rank (default: 4 for resnet50 and small, 32 for bert-base)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--threads-per-rank", type=positive_int, default=None,
+                   help="torch threads while profiling on the CPU: those of one rank (default "
+                        "1, a rank per core, as the benchmark's ranks run; give the cores of "
+                        "one rank where ranks get several)")
     p.add_argument("--image-size", type=positive_int, default=128)
     p.add_argument("--seq-len", type=positive_int, default=64)
     p.add_argument("--steps", type=positive_int, default=3, help="timed profiling steps (default 3)")
@@ -135,11 +154,31 @@ def _read_link(path: Optional[Path]) -> Optional[dict]:
 
 
 def _builtin(args) -> dict:
+    """Profile ``--model`` here, as one rank will run it: on the CPU with
+    ``--threads-per-rank`` torch threads (what was assumed is recorded in the
+    profile and printed)."""
+    import torch
     from .profile import profile_builtin
-    return profile_builtin(args.model, args.batch_size or DEFAULT_BATCH_SIZE[args.model],
+    if not str(args.device).startswith("cuda"):
+        torch.set_num_threads(args.threads_per_rank or 1)
+    return profile_builtin(args.model,
+                           args.batch_size or DEFAULT_BATCH_SIZE.get(args.model,
+                                                                     DEFAULT_USER_BATCH_SIZE),
                            matrix_rank=args.matrix_rank, device=args.device,
                            image_size=args.image_size, seq_len=args.seq_len, steps=args.steps,
                            warmup=args.warmup, repeats=args.repeats)
+
+
+def _assumed(profile: dict) -> str:
+    """What the profile assumed about a rank, in one line."""
+    if str(profile.get("device", "cpu")).startswith("cuda"):
+        return f"profiled on {profile.get('device_name') or profile.get('device')}"
+    threads = profile.get("torch_threads")
+    if threads is None:
+        return "profiled on the CPU (its torch threads per rank are not recorded)"
+    return (f"profiled on the CPU with {threads} torch thread{'s' if threads != 1 else ''} "
+            "per rank (--threads-per-rank): the prediction holds where each rank computes "
+            "with that many cores")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -161,7 +200,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             args.out.write_text(json.dumps(profile, indent=1) + "\n")
             print(f"profile of {args.model} written to {args.out} in "
                   f"{time.perf_counter() - started:.1f} s: forward {profile['forward_s']:.3f} s, "
-                  f"backward {profile['backward_s']:.3f} s, optimizer {profile['optimizer_s']:.3f} s")
+                  f"backward {profile['backward_s']:.3f} s, optimizer {profile['optimizer_s']:.3f} s; "
+                  f"{_assumed(profile)}")
             return 0
         if args.command == "predict":
             return _predict(parser, args, command)
@@ -210,6 +250,7 @@ def _predict(parser, args, command: str) -> int:
     write_plan(profile, args.out, nps, bws, lats, opts, command=command,
                profile_source=source, plot=not args.no_plot)
     print((args.out / "plan.md").read_text())
+    print(f"assumed: {_assumed(profile)}")
     print(f"wrote {args.out}/plan.json, plan.md" + ("" if args.no_plot else ", plan.png")
           + f" in {time.perf_counter() - started:.1f} s")
     return 0

@@ -26,7 +26,8 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["MODELS", "DEFAULT_BATCH_SIZE", "ModelSpec", "SmallNet", "build_model",
-           "build_user_model", "is_user_model", "default_matrix_rank", "check_model_name"]
+           "build_user_model", "is_user_model", "default_matrix_rank", "check_model_name",
+           "to_device"]
 
 #: Model names accepted by ``--model``.
 MODELS = ("resnet50", "bert-base", "small")
@@ -158,6 +159,17 @@ def build_model(name: str, batch_size: int, *, image_size: int = 128, seq_len: i
                          f"transformers BertForSequenceClassification (BERT-Base), "
                          f"sequence length {seq_len}")
     raise ValueError(f"model must be one of {MODELS}, got {name!r}")
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` (a tensor, or dicts / tuples / lists of them) on ``device``."""
+    if isinstance(batch, Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(value, device) for value in batch)
+    return batch
 
 
 def _import_function(target: str) -> Callable[..., Any]:

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from ..compression import Phase, compute_dtype, orthonormalize_
 from ..fusion import make_layouts, plan_buckets
 from ..state import CompressedTensor
+from .models import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +197,7 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for, but torch sees no CUDA device")
     model = model.to(dev)
-    batch = _to(example_batch, dev)
+    batch = to_device(example_batch, dev)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("the model has no parameter that requires a gradient")
@@ -300,16 +301,6 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
         "buckets": buckets,
         "ddp_buckets": ddp_buckets(named),
     }
-
-
-def _to(batch, device: torch.device):
-    if isinstance(batch, Tensor):
-        return batch.to(device)
-    if isinstance(batch, dict):
-        return {k: _to(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to(v, device) for v in batch)
-    return batch
 
 
 def profile_builtin(model: str, batch_size: int, *, matrix_rank: Optional[int] = None,

@@ -114,11 +114,18 @@ def crossovers(profile: dict, nps: Sequence[int], latency_us: float, opts: Optio
     return found
 
 
+def _threads_note(cfg: dict) -> str:
+    threads = (cfg.get("profile") or {}).get("torch_threads")
+    if threads is None or str(cfg.get("device", "cpu")).startswith("cuda"):
+        return ""
+    return f" with {threads} torch thread{'s' if threads != 1 else ''} per rank"
+
+
 def format_plan_md(plan: dict) -> str:
     cfg = plan["config"]
     lines = [f"# hvd-acp-plan: {cfg.get('model') or cfg.get('description', '')}", "",
              f"Profile: `{cfg.get('profile_source', '')}` ({cfg.get('description', '')}; device "
-             f"{cfg.get('device')}, batch {cfg.get('batch_size')} per rank, matrix rank "
+             f"{cfg.get('device')}{_threads_note(cfg)}, batch {cfg.get('batch_size')} per rank, matrix rank "
              f"{cfg.get('matrix_rank')}); compute scale {cfg['compute_scale']:g}; Horovod cycle "
              f"{cfg['cycle_time_ms']:g} ms; host cost {cfg['host_s_per_byte'] * 1e9:.2f} ns/byte"
              + (f"; network stack {cfg['stack_s_per_byte'] * 1e9:.2f} ns/byte at "

@@ -33,6 +33,15 @@ be identical, so a collective starts when this rank has submitted it.
   all-reduces; the chain then orthonormalizes, computes Q, all-reduces it and
   reconstructs. Backward's end waits for every chain.
 
+- **ACP-SGD, DDP hook** (``hvd_acp.ddp.acp_hook``): DDP's buckets, no
+  Horovod cycle. When a bucket is ready the hook, on the backward thread,
+  orthonormalizes its share of the reused factors, compresses the bucket's
+  gradients (delaying the rest of backward) and starts one all-reduce of
+  the bucket's factors and uncompressed tensors; its callback rebuilds the
+  gradients when the all-reduce is done. Backward's end waits for every
+  bucket. P and Q steps alternate; step-ahead shifts and restores as for
+  ``hvd_acp.DistributedOptimizer``.
+
 Collectives of one job run one at a time on the link (Horovod's single
 background thread; Gloo's queue for DDP).
 """
@@ -366,6 +375,43 @@ def _predict_powersgd_ddp(profile, settings) -> StepPrediction:
                           collectives, busy)
 
 
+def _predict_acp_ddp_phase(profile, settings, phase: str) -> StepPrediction:
+    s = settings.ddp_compute_scale or settings.compute_scale
+    costs = _Costs(settings, s)
+    params = _by_name(profile)
+    key = "acp_p_s" if phase == "P" else "acp_q_s"
+    factor_bytes = "ddp_p_bytes" if phase == "P" else "ddp_q_bytes"
+    n_compressed = sum(1 for p in params.values() if p["ddp_compressed"]) or 1
+    orth = profile["orthonormalize_s"]["acp_" + phase.lower()]
+    step_ahead = _compressed_s(params, "step_ahead_s") * s
+    start = profile["forward_s"] * s + step_ahead
+    delay, link_free, arrived, compression = 0.0, -math.inf, -math.inf, step_ahead
+    nbytes, collectives, busy, last_ready = 0.0, 0, 0.0, -math.inf
+    for members in profile["ddp_buckets"]:
+        ps = [params[n] for n in members]
+        comp = [p for p in ps if p["ddp_compressed"]]
+        ready = max(last_ready, start + max(p["ready_s"] for p in ps) * s + delay)
+        last_ready = ready
+        hook = (orth * len(comp) / n_compressed
+                + sum(p.get(key, p.get("psgd_p_s", 0.0)) for p in comp)) * s
+        delay += hook
+        size = (sum(p["bytes"] for p in ps if not p["ddp_compressed"])
+                + sum(p[factor_bytes] for p in comp))
+        duration = costs(size)
+        link_free = max(ready + hook, link_free) + duration
+        recon = sum(p.get("reconstruct_s", 0.0) for p in comp) * s
+        arrived = max(arrived, link_free) + recon
+        compression += hook + recon
+        nbytes += size
+        collectives += 1
+        busy += duration
+    bwd_end = start + profile["backward_s"] * s + delay
+    end = max(bwd_end, arrived) + profile["optimizer_s"] * s + costs.host_s
+    compute = _compute_s(profile, s)
+    return StepPrediction(end, compute, compression, end - compute - compression, nbytes,
+                          collectives, busy)
+
+
 def _mean(preds: Sequence[StepPrediction]) -> StepPrediction:
     fields = [f.name for f in dataclasses.fields(StepPrediction)]
     return StepPrediction(**{f: sum(getattr(p, f) for p in preds) / len(preds) for f in fields})
@@ -381,6 +427,8 @@ _PREDICTORS = {
     "powersgd-ddp": _predict_powersgd_ddp,
     "acp": lambda profile, settings: _mean([_predict_acp_phase(profile, settings, o, ph)
                                             for o in _phases(settings) for ph in ("P", "Q")]),
+    "acp-ddp": lambda profile, settings: _mean([_predict_acp_ddp_phase(profile, settings, ph)
+                                                for ph in ("P", "Q")]),
 }
 #: Methods predicted: those of :mod:`hvd_acp.methods` simulated here, in report order.
 METHODS = tuple(key for key in KEYS if key in _PREDICTORS)
