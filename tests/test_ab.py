@@ -156,9 +156,15 @@ def test_ab_under_horovodrun_on_a_builtin_model(tmp_path):
     out = run_with_timeout(
         [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo",
          str(BIN / "hvd-acp-ab"), "--model", "small", "--methods", ",".join(methods),
-         "--rounds", "2", "--steps", "3", "--warmup", "2", "--device", "cpu",
+         "--rounds", "2", "--steps", "3", "--warmup", "2", "--device", "cpu", "--profile",
          "--out", str(tmp_path)], 240, "hvd-acp-ab under horovodrun")
     assert "ACP-SGD" in out and "Caution: 2 rounds" in out, out[-3000:]
+    assert "Compute only, one process" in out
+    # Its single-process profile feeds the planner.
+    from hvd_acp.plan.__main__ import main as plan_main
+    assert plan_main(["predict", "--profile", str(tmp_path / "profile.json"), "--np", "2",
+                      "--bandwidth", "1gbit", "--no-plot", "--out", str(tmp_path / "plan")]) == 0
+    assert json.loads((tmp_path / "profile.json").read_text())["batch_size"] == 32
     found = _read(tmp_path)
     _check_run(found, methods, rounds=2, steps=3)
     assert found["config"]["ranks"] == 2 and found["config"]["launcher"] == "horovodrun"

@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bert-base's sequence length (default 64)")
     p.add_argument("--out", type=Path, default=None,
                    help="folder for ab.json and ab.md (rank 0 writes them)")
+    p.add_argument("--profile", action="store_true",
+                   help="first profile the model in one process on rank 0's device, "
+                        "nothing communicated (the floor, shown in the table), and write "
+                        "it to --out/profile.json for hvd-acp-plan predict --profile")
     return p
 
 
@@ -128,6 +132,31 @@ def _versions() -> Dict[str, str]:
     return found
 
 
+def _profile(world, spec, matrix_rank: int, args, progress) -> Optional[Dict[str, Any]]:
+    """Rank 0 profiles one step of the model alone (hvd_acp.plan's profiler,
+    nothing communicated) while the other ranks wait; the profile on rank 0,
+    None elsewhere."""
+    import copy
+    profile = None
+    if world.rank == 0:
+        from ..plan.models import to_device
+        from ..plan.profile import profile_model
+        progress("profiling one process (hvd-acp-plan's profile, nothing communicated)")
+        profile = profile_model(copy.deepcopy(spec.model).to(world.device),
+                                to_device(spec.batch, world.device), spec.loss_fn,
+                                matrix_rank=matrix_rank, device=str(world.device),
+                                description=spec.description)
+        profile.update(model=args.model, batch_size=spec_batch_size(args),
+                       image_size=args.image_size, seq_len=args.seq_len)
+    world.barrier()
+    return profile
+
+
+def spec_batch_size(args) -> int:
+    """The batch size per rank that ``args`` ask for."""
+    return args.batch_size or DEFAULT_BATCH_SIZE.get(args.model, DEFAULT_USER_BATCH_SIZE)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     launcher = TORCHRUN if args.ddp else HOROVOD
@@ -150,7 +179,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     threads = _threads(args.threads, world.local_size) if device == "cpu" else \
         torch.get_num_threads()
     torch.set_num_threads(threads)
-    batch_size = args.batch_size or DEFAULT_BATCH_SIZE.get(args.model, DEFAULT_USER_BATCH_SIZE)
+    batch_size = spec_batch_size(args)
     matrix_rank = args.matrix_rank or default_matrix_rank(args.model)
     spec = build_model(args.model, batch_size, image_size=args.image_size,
                        seq_len=args.seq_len, data_seed=world.rank)
@@ -168,9 +197,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         if world.rank == 0:
             print(f"hvd-acp-ab: {line}", file=sys.stderr, flush=True)
 
+    profile = _profile(world, spec, matrix_rank, args, progress) if args.profile else None
     measured = measure(world, spec, settings, progress)
     if world.rank == 0:
         summary = report.summarize(measured, batch_size * world.size)
+        if profile is not None:
+            summary["floor_s"] = (profile["forward_s"] + profile["backward_s"]
+                                  + profile["optimizer_s"])
         text = report.markdown(config, summary)
         print(text, flush=True)
         if args.out is not None:
@@ -178,6 +211,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             (args.out / "ab.json").write_text(json.dumps(
                 {"config": config, "measured": measured, "summary": summary}, indent=1))
             (args.out / "ab.md").write_text(text)
+            if profile is not None:
+                (args.out / "profile.json").write_text(json.dumps(profile, indent=1) + "\n")
     world.shutdown()
     return 0
 

@@ -140,7 +140,8 @@ def markdown(config: Dict[str, Any], summary: Dict[str, Any]) -> str:
         f"{config['ranks']} ranks ({config['launcher']}, {config['device']}), batch "
         f"{config['batch_size']} per rank, matrix rank {config['matrix_rank']}, "
         f"{config['rounds']} rounds of {config['steps']} timed steps after "
-        f"{config['warmup']} untimed, {config['threads']} torch threads per rank.",
+        f"{config['warmup']} untimed, {config['threads']} torch thread"
+        f"{'s' if config['threads'] != 1 else ''} per rank.",
         "",
         "| method | step (s), median [interval] | samples/s | MB per step per rank"
         + (f" | {cand_label} faster by |" if candidate else " |"),
@@ -154,5 +155,8 @@ def markdown(config: Dict[str, Any], summary: Dict[str, Any]) -> str:
             row += (f" {_fmt_interval(ratio)} ({_SAY[ratio['verdict']]}) |" if ratio
                     else " (itself) |")
         lines.append(row)
+    if summary.get("floor_s"):
+        lines += ["", f"Compute only, one process, nothing communicated (the profile's "
+                      f"forward, backward and update): {summary['floor_s']:.4f} s per step."]
     lines += ["", summary["recommendation"], ""]
     return "\n".join(lines)
