@@ -148,6 +148,12 @@ class DistributedOptimizer(_LocalStep):
             :mod:`hvd_acp.stepahead` and docs/convergence.md). The parameters
             hold the true weights between ``step()`` and the next training
             forward pass. 0 switches it off.
+        overlap: compress each gradient and launch its fused buffer's
+            all-reduce from the gradient hooks, while backward computes the
+            earlier layers (the default). False leaves all of it to
+            ``synchronize()`` (``step()``), after backward: the same maths,
+            buffers and results, without the overlap; a measure of what the
+            overlap is worth.
         diagnostics: record the per-step health of the error feedback
             (residual against gradient, share the projection keeps, turn of
             the subspace) in ``optimizer.reducer.diagnostics``; see
@@ -169,8 +175,8 @@ class DistributedOptimizer(_LocalStep):
                  matrix_rank: int = 4,
                  fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD_BYTES,
                  min_compression_rate: float = 2.0, warmup_steps: int = 0, seed: int = 0,
-                 step_ahead: float = DEFAULT_STEP_AHEAD, diagnostics: bool = False,
-                 communicator: Optional[Communicator] = None):
+                 step_ahead: float = DEFAULT_STEP_AHEAD, overlap: bool = True,
+                 diagnostics: bool = False, communicator: Optional[Communicator] = None):
         # Deliberately not calling Optimizer.__init__: param_groups, state and
         # defaults are forwarded to the wrapped optimizer (properties below).
         torch._C._log_api_usage_once("hvd_acp.DistributedOptimizer")
@@ -191,7 +197,7 @@ class DistributedOptimizer(_LocalStep):
                               backward_passes_per_step, op, gradient_predivide_factor,
                               num_groups, groups, sparse_as_dense, matrix_rank,
                               fusion_threshold_bytes, min_compression_rate, warmup_steps,
-                              seed, step_ahead, communicator)
+                              seed, step_ahead, overlap, communicator)
         except (ValueError, TypeError, NotImplementedError) as exc:
             error, named = exc, []
 
@@ -235,7 +241,7 @@ class DistributedOptimizer(_LocalStep):
             min_compression_rate=min_compression_rate, warmup_steps=warmup_steps, seed=seed,
             backward_passes_per_step=backward_passes_per_step, groups=explicit_groups,
             sparse_as_dense=sparse_as_dense, name_prefix=self.name_prefix,
-            diagnostics=bool(diagnostics), agree_at_first_step=not elastic)
+            diagnostics=bool(diagnostics), agree_at_first_step=not elastic, overlap=overlap)
         self._state_initialized_by_broadcast = False
         self._step_ahead = StepAhead(self._reducer, optimizer, step_ahead)
         self.backward_passes_per_step = backward_passes_per_step
@@ -501,7 +507,7 @@ def _release(reducer: ACPReducer, step_ahead: StepAhead) -> None:
 def _validate(optimizer, named_parameters, compression, backward_passes_per_step, op,
               gradient_predivide_factor, num_groups, groups, sparse_as_dense, matrix_rank,
               fusion_threshold_bytes, min_compression_rate, warmup_steps, seed,
-              step_ahead, communicator) -> List[Tuple[str, torch.Tensor]]:
+              step_ahead, overlap, communicator) -> List[Tuple[str, torch.Tensor]]:
     """Check the arguments; returns (name, param) for the optimizer's params."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
@@ -525,6 +531,8 @@ def _validate(optimizer, named_parameters, compression, backward_passes_per_step
         raise ValueError("num_groups and groups cannot both be set")
     if not isinstance(sparse_as_dense, bool):
         raise TypeError(f"sparse_as_dense must be a bool, got {sparse_as_dense!r}")
+    if not isinstance(overlap, bool):
+        raise TypeError(f"overlap must be a bool, got {overlap!r}")
     if communicator is None:
         import horovod.torch as hvd
         if op is not None and op not in (hvd.Average, hvd.Sum):

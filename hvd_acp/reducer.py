@@ -15,6 +15,11 @@ the optimizer's update:
    averaged gradient into ``p.grad``, commits the averaged factors and moves
    to the next phase.
 
+With ``overlap=False`` the hooks only count backward passes: every
+gradient is compressed, and every buffer launched, in :meth:`synchronize`,
+after backward has ended (the same maths and buffers, no overlap with
+backward).
+
 A sparse gradient (``nn.Embedding(sparse=True)``) travels as Horovod sends
 it: uncompressed, its indices and values gathered from every rank apart
 from the fused buffers, where its slot carries a zero gradient. With
@@ -77,6 +82,10 @@ class ACPReducer:
         name_prefix: first component of the all-reduce names.
         diagnostics: record one :class:`~hvd_acp.diagnostics.StepRecord` per
             step in :attr:`diagnostics` (costs a few passes per gradient).
+        overlap: compress each gradient and launch each buffer from the
+            hooks, while backward goes on (True); or all of it in
+            :meth:`synchronize`, after backward (False: same maths and
+            buffers, in slot order instead of arrival order).
         agree_at_first_step: check with one small collective, at the first
             step, that every rank starts from the same compression state
             (off for elastic jobs, whose workers join at any step and are
@@ -94,8 +103,12 @@ class ACPReducer:
                  backward_passes_per_step: int = 1,
                  groups: Optional[Sequence[Sequence[str]]] = None,
                  sparse_as_dense: bool = False, name_prefix: str = "hvd_acp",
-                 diagnostics: bool = False, agree_at_first_step: bool = True):
+                 diagnostics: bool = False, agree_at_first_step: bool = True,
+                 overlap: bool = True):
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be a bool, got {overlap!r}")
         self.params: Dict[str, Tensor] = dict(named_parameters)
+        self.overlap = overlap
         self.comm = communicator
         self.fusion_threshold_bytes = fusion_threshold_bytes
         self.backward_passes_per_step = backward_passes_per_step
@@ -144,6 +157,9 @@ class ACPReducer:
         self._buffers: Dict[Tuple[Phase, Tuple[str, ...]], List[Tensor]] = {}
         self._hooks: Dict[str, object] = {}
         self._passes: Dict[str, int] = {name: 0 for name in self.params}
+        #: Without overlap: names whose last backward pass of the step has
+        #: arrived, left for synchronize() to take.
+        self._deferred: List[str] = []
         self._round: Optional[_Round] = None
         self._bases_phase: Optional[Phase] = None
         self._closed = False
@@ -227,7 +243,10 @@ class ACPReducer:
                 "accumulate gradients locally, or call step() after each backward.")
         self._passes[name] = passes
         if passes == self.backward_passes_per_step:
-            self._take(name, param)
+            if self.overlap:
+                self._take(name, param)
+            else:
+                self._deferred.append(name)
 
     def _take(self, name: str, param: Tensor) -> None:
         """Send this rank's gradient of ``name``: into its slot or, if sparse, apart."""
@@ -248,8 +267,9 @@ class ACPReducer:
     # ------------------------------------------------------------------ round
     @property
     def round_open(self) -> bool:
-        """Whether backward has started the current round (a gradient was taken)."""
-        return self._round is not None and bool(self._round.filled)
+        """Whether backward has started the current round (a gradient was taken,
+        or, without overlap, left for :meth:`synchronize`)."""
+        return bool(self._deferred) or (self._round is not None and bool(self._round.filled))
 
     @property
     def pending(self) -> bool:
@@ -375,6 +395,7 @@ class ACPReducer:
         self._complete(rnd)
         self._complete_sparse(rnd)
         self._round = None
+        self._deferred.clear()
         for name in self._passes:
             self._passes[name] = 0
         if self._record is not None:
@@ -510,6 +531,7 @@ class ACPReducer:
         if self.round_open:
             logger.warning("discarding the gradients of an unfinished step")
         self._round = None
+        self._deferred.clear()
         for name in self._passes:
             self._passes[name] = 0
 
