@@ -381,21 +381,27 @@ def _measure(cfg: BenchConfig, runner: _Runner, method: str,
 
 
 NOTES = [
-    "bytes_sent_per_step is per rank: the payload each rank hands to all-reduce per step "
-    "(hvd_acp: `optimizer.comm_stats`; S-SGD: every gradient once, hvd.DistributedOptimizer "
-    "keeps no counter; DDP powerSGD_hook: counted at `dist.all_reduce`, equal to the "
-    "analytic sum over parameters of (n + m) r for compressed and numel for other tensors, "
-    "times 4 bytes; DDP acp_hook: `ACPState.comm_stats`). A ring all-reduce puts "
-    "2(N-1)/N times that on each rank's link.",
-    "allreduces_per_step: all-reduce operations started per step (hvd_acp: fused buffers; "
-    "S-SGD: tensors handed to Horovod, which fuses them in its background thread; DDP "
+    "bytes_sent_per_step is per rank: the payload each rank hands to all-reduce per step, "
+    "from each method's counters (hvd_acp.methods, hvd_acp.counting): hvd_acp's "
+    "`optimizer.comm_stats` (ACP-SGD, its ablations, Power-SGD) and `ACPState.comm_stats` "
+    "(DDP acp_hook); S-SGD under Horovod: each tensor as it leaves its "
+    "`hvd.Compression` (fp16 for ssgd-fp16); DDP without a hook: its bucket sizes once "
+    "per optimizer step; DDP fp16_compress_hook: each bucket in fp16; DDP powerSGD_hook "
+    "(batched or not): counted at `dist.all_reduce`, equal to the analytic sum over "
+    "parameters of (n + m) r for compressed and numel for other tensors, times 4 bytes. "
+    "A ring all-reduce puts 2(N-1)/N times that on each rank's link.",
+    "allreduces_per_step: all-reduce operations started per step (hvd_acp: fused buffers, "
+    "one per tensor for acp-nofusion; S-SGD under Horovod: tensors handed to Horovod, "
+    "which fuses them in its background thread; DDP and DDP fp16: 1 per bucket; DDP "
     "powerSGD_hook: 3 per bucket: uncompressed tensors, Ps, Qs; DDP acp_hook: 1 per "
     "bucket).",
     "compression_s_per_step: hvd_acp's `reducer.compression_seconds` (wall time of the "
     "compression maths in hooks and step); DDP powerSGD_hook: thread CPU time of its bmm "
     "and orthogonalization calls (error-feedback copies not included, a lower bound); "
     "DDP acp_hook: `ACPState.compression_seconds` (wall time of its maths in the hook and "
-    "the callbacks); S-SGD: 0.",
+    "the callbacks); S-SGD fp16 under Horovod: wall time of the casts to fp16 and back; "
+    "DDP fp16_compress_hook: wall time of the hook (the cast to fp16; the cast back, in "
+    "its callback, not counted); S-SGD and DDP: 0.",
     "link_tx_bytes_per_step (emulated network only): bytes each rank's interface really "
     "sent per timed step, Ethernet/IP/TCP headers included (from /proc/net/dev inside "
     "the rank's namespace): the proof that the traffic crossed the rate-limited link.",

@@ -17,13 +17,13 @@ import json
 import os
 import random
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List
 
 import torch
 
+from hvd_acp.counting import powersgd_ddp_bytes_per_step
 from hvd_acp.methods import HOROVOD, TORCHRUN, Distributed, Method
 from hvd_acp.methods import get as get_method
 from hvd_acp.plan.models import build_model
@@ -77,93 +77,6 @@ def link_tx_bytes(iface: str, proc_net_dev: str = "/proc/net/dev") -> int:
             if sep and name.strip() == iface:
                 return int(fields.split()[8])
     raise RuntimeError(f"interface {iface!r} not found in {proc_net_dev}")
-
-
-# ------------------------------------------------- torch's powerSGD_hook, counted
-class _PowerSGDHookProbe:
-    """Counts what torch's ``powerSGD_hook`` all-reduces and times its maths.
-
-    The hook module refers to ``dist``, ``torch`` and ``_orthogonalize`` by
-    module-level names; the probe swaps in thin proxies for those names in
-    that module only:
-
-    * ``dist.all_reduce``: counts calls and the bytes of each tensor, i.e.
-      exactly what the hook hands to Gloo (uncompressed tensors, Ps, Qs).
-    * ``torch.bmm`` and ``_orthogonalize``: adds the calling thread's CPU
-      time (``time.thread_time``) to ``compression_seconds``. The hook runs
-      part of its maths in future callbacks on Gloo's threads, interleaved
-      with blocking waits, so wall time around the hook would count waiting;
-      thread CPU time counts only the maths. The error-feedback copies and
-      sums (tensor methods, which cannot be intercepted per module) are not
-      included: the count is a lower bound.
-    """
-
-    def __init__(self) -> None:
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as module
-
-        self.module = module
-        self.allreduces = 0
-        self.bytes_sent = 0
-        self.compression_seconds = 0.0
-        self._lock = threading.Lock()
-        probe = self
-        real_dist, real_torch, real_orth = module.dist, module.torch, module._orthogonalize
-
-        class _Dist:
-            def __getattr__(self, name: str) -> Any:
-                return getattr(real_dist, name)
-
-            @staticmethod
-            def all_reduce(tensor, *args, **kwargs):
-                with probe._lock:
-                    probe.allreduces += 1
-                    probe.bytes_sent += tensor.numel() * tensor.element_size()
-                return real_dist.all_reduce(tensor, *args, **kwargs)
-
-        class _Torch:
-            def __getattr__(self, name: str) -> Any:
-                return getattr(real_torch, name)
-
-            @staticmethod
-            def bmm(*args, **kwargs):
-                return probe._timed(real_torch.bmm, *args, **kwargs)
-
-        def orthogonalize(*args, **kwargs):
-            return probe._timed(real_orth, *args, **kwargs)
-
-        module.dist, module.torch, module._orthogonalize = _Dist(), _Torch(), orthogonalize
-
-    def _timed(self, fn: Callable, *args, **kwargs):
-        started = time.thread_time()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            spent = time.thread_time() - started
-            with self._lock:
-                self.compression_seconds += spent
-
-
-def powersgd_ddp_bytes_per_step(model: torch.nn.Module, matrix_rank: int,
-                                min_compression_rate: float = 2.0) -> int:
-    """Bytes one rank all-reduces per step under ``powerSGD_hook``, from the shapes.
-
-    The hook views each gradient as ``(shape[0], numel / shape[0])``, takes
-    ``r = min(n, m, matrix_rank)`` and compresses it when
-    ``(n + m) * r * min_compression_rate < n * m``; a compressed tensor sends
-    its P (n x r) and its Q (m x r), any other tensor is sent whole.
-    """
-    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
-
-    total = 0
-    for param in model.parameters():
-        if not param.requires_grad:
-            continue
-        n = param.shape[0] if param.dim() else 1
-        m = param.numel() // n
-        r = min(n, m, matrix_rank)
-        compress = _should_compress(n, m, r, min_compression_rate)[0]
-        total += ((n + m) * r if compress else param.numel()) * param.element_size()
-    return total
 
 
 # --------------------------------------------------------------- the loop
@@ -224,54 +137,29 @@ def _build(job: Job, method: Method, spec, optimizer, args) -> Distributed:
     return method.build(spec.model, optimizer, matrix_rank=args.matrix_rank, **options)
 
 
-def _dense_counters(built: Distributed, result: Dict[str, Any], params, args):
-    """``hvd.DistributedOptimizer`` keeps no counters: every step it hands each
-    gradient to one named all-reduce (fused by Horovod's background thread up
-    to HOROVOD_FUSION_THRESHOLD). Counted from the steps taken."""
-    steps_done = [0]
-    real_step = built.optimizer.step
-
-    def counted_step(*a, **k):
-        steps_done[0] += 1
-        return real_step(*a, **k)
-    built.optimizer.step = counted_step
-    return {"bytes_sent": lambda: steps_done[0] * result["gradient_bytes"],
-            "allreduces": lambda: steps_done[0] * len(params),
-            "compression_seconds": lambda: 0.0}
-
-
-def _powersgd_hook_counters(built: Distributed, result: Dict[str, Any], params, args):
-    """torch's ``powerSGD_hook`` keeps no counters: :class:`_PowerSGDHookProbe`
-    counts them; the analytic bytes per step check it."""
-    probe = _PowerSGDHookProbe()
-    result["bytes_sent_per_step_analytic"] = powersgd_ddp_bytes_per_step(
-        built.model.module, args.matrix_rank)
-    result["powersgd_start_iter"] = built.state.start_powerSGD_iter
-    return {"bytes_sent": lambda: probe.bytes_sent,
-            "allreduces": lambda: probe.allreduces,
-            "compression_seconds": lambda: probe.compression_seconds}
-
-
-#: How the benchmark counts the methods whose implementation keeps no counters.
-UNCOUNTED = {"ssgd": _dense_counters, "powersgd-ddp": _powersgd_hook_counters}
-
-
-def _counters(job: Job, built: Distributed, result: Dict[str, Any], params,
+def _counters(job: Job, built: Distributed, result: Dict[str, Any],
               args) -> Dict[str, Callable[[], float]]:
-    """The counters of ``job``'s training, each read at the start and the end of
-    the timed steps."""
+    """The counters of ``job``'s training (the method's own,
+    :meth:`hvd_acp.methods.Distributed.counters`), each read at the start and
+    the end of the timed steps."""
     if job.launcher == LOCAL:
         # A world of one: compression, nothing sent.
         return {"bytes_sent": lambda: 0, "allreduces": lambda: 0,
                 "compression_seconds": lambda: built.counters().compression_seconds}
-    if built.counters is not None:
-        return {"bytes_sent": lambda: built.counters().bytes_sent,
-                "allreduces": lambda: built.counters().allreduces,
-                "compression_seconds": lambda: built.counters().compression_seconds}
-    if job.method not in UNCOUNTED:
-        raise RuntimeError(f"method {job.method!r} keeps no counters and the benchmark "
-                           "does not know how to count it (benchmarks.worker.UNCOUNTED)")
-    return UNCOUNTED[job.method](built, result, params, args)
+    if _is_powersgd_hook(built.state):
+        # torch's powerSGD_hook, counted at its all-reduces: the bytes its
+        # rule gives from the shapes check the count.
+        result["bytes_sent_per_step_analytic"] = powersgd_ddp_bytes_per_step(
+            built.model.module, args.matrix_rank)
+        result["powersgd_start_iter"] = built.state.start_powerSGD_iter
+    return {"bytes_sent": lambda: built.counters().bytes_sent,
+            "allreduces": lambda: built.counters().allreduces,
+            "compression_seconds": lambda: built.counters().compression_seconds}
+
+
+def _is_powersgd_hook(state: Any) -> bool:
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+    return isinstance(state, PowerSGDState)
 
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
@@ -298,7 +186,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     else:
         built = _build(job, get_method(job.method), spec, optimizer, args)
         spec.model, optimizer = built.model, built.optimizer
-        counters = _counters(job, built, result, params, args)
+        counters = _counters(job, built, result, args)
 
     iface = os.environ.get(IFACE_ENV)
     if iface:

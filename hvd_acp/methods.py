@@ -10,30 +10,26 @@ sets it up for a model and a torch optimizer::
 
 The benchmark (its workers, tables and plots), the planner's method list and
 the scripts read :data:`REGISTRY`; a method declared here appears in all of
-them. Horovod and ``torch.distributed`` are imported by the factories only.
+them. Every factory returns counters (:meth:`Distributed.counters`): hvd_acp's
+own, or those :mod:`hvd_acp.counting` keeps for the implementations that keep
+none. Horovod and ``torch.distributed`` are imported by the factories only.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
+
+from .counting import Counters, CountingCompression, DDPBucketCounter, PowerSGDHookProbe
+from .counting import counted_hook, fp16_hook_payload
 
 __all__ = ["HOROVOD", "TORCHRUN", "Counters", "Distributed", "Method", "REGISTRY", "KEYS",
-           "get", "label", "serialized_hook"]
+           "get", "label", "predicted", "serialized_hook"]
 
 #: Launchers: ``horovodrun`` (Horovod's ranks) or ``torchrun`` (a
 #: ``torch.distributed`` process group, Gloo on CPUs).
 HOROVOD = "horovod"
 TORCHRUN = "torchrun"
-
-
-class Counters(NamedTuple):
-    """What one rank has done so far: payload bytes handed to all-reduce,
-    all-reduces launched, seconds of compression maths."""
-
-    bytes_sent: int
-    allreduces: int
-    compression_seconds: float
 
 
 @dataclasses.dataclass
@@ -44,16 +40,17 @@ class Distributed:
         model: the module to train (a ``DistributedDataParallel`` wrapper for
             the DDP methods, the model itself for Horovod's).
         optimizer: the optimizer to step.
-        state: the DDP communication hook's state (None for Horovod's methods).
-        counters: this rank's :class:`Counters` so far, where the method keeps
-            them; None where it does not (``hvd.DistributedOptimizer``,
-            torch's ``powerSGD_hook``).
+        state: the DDP communication hook's state (None for Horovod's
+            methods and for DDP without a hook).
+        counters: returns this rank's :class:`~hvd_acp.counting.Counters`
+            so far: bytes handed to all-reduce, all-reduces launched,
+            seconds of compression maths.
     """
 
     model: Any
     optimizer: Any
+    counters: Callable[[], Counters]
     state: Any = None
-    counters: Optional[Callable[[], Counters]] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +70,8 @@ class Method:
         min_warmup_steps: exact (uncompressed) steps the implementation needs
             before it compresses (torch's ``powerSGD_hook``: 2, for its error
             feedback and warm start).
+        not_predicted: why the planner (:mod:`hvd_acp.plan`) does not
+            simulate this method; None where it does.
     """
 
     key: str
@@ -83,6 +82,7 @@ class Method:
     factory: Callable[..., Distributed]
     color: str
     min_warmup_steps: int = 0
+    not_predicted: Optional[str] = None
 
     @property
     def title(self) -> str:
@@ -124,24 +124,39 @@ class Method:
 
 
 # -------------------------------------------------------------- factories
-def _ssgd(model, optimizer, *, matrix_rank, warmup_steps, ddp_options, **options):
-    import horovod.torch as hvd
-    if warmup_steps:
-        raise ValueError("S-SGD averages every step exactly: it has no warmup_steps")
-    return Distributed(model, hvd.DistributedOptimizer(
-        optimizer, named_parameters=model.named_parameters(), **options))
+def _ssgd(fp16: bool):
+    """Factory of S-SGD with ``hvd.DistributedOptimizer``, its gradients sent in
+    fp16 (``hvd.Compression.fp16``) or as they are."""
+    def factory(model, optimizer, *, matrix_rank, warmup_steps, ddp_options, **options):
+        import horovod.torch as hvd
+        if warmup_steps:
+            raise ValueError("S-SGD averages every step exactly: it has no warmup_steps")
+        if "compression" in options:
+            raise ValueError("compression is set by the method (ssgd or ssgd-fp16), "
+                             f"got compression={options['compression']!r}")
+        compression = CountingCompression(
+            hvd.Compression.fp16 if fp16 else hvd.Compression.none, timed=fp16)
+        wrapped = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                           compression=compression, **options)
+        return Distributed(model, wrapped, compression.counters)
+    return factory
 
 
-def _hvd_acp_optimizer(class_name: str):
-    """Factory of one of hvd_acp's Horovod optimizers (``hvd_acp.<class_name>``)."""
+def _hvd_acp_optimizer(class_name: str, **preset):
+    """Factory of one of hvd_acp's Horovod optimizers (``hvd_acp.<class_name>``),
+    with the keyword arguments ``preset`` (an ablation's settings)."""
     def factory(model, optimizer, *, matrix_rank, warmup_steps, ddp_options, **options):
         import hvd_acp
+        clash = sorted(set(preset) & set(options))
+        if clash:
+            raise ValueError(f"{', '.join(clash)} is set by the method ({preset}); "
+                             f"got {({k: options[k] for k in clash})}")
         if warmup_steps is not None:
             options["warmup_steps"] = warmup_steps
         wrapped = getattr(hvd_acp, class_name)(
             optimizer, named_parameters=model.named_parameters(), matrix_rank=matrix_rank,
-            **options)
-        return Distributed(model, wrapped, counters=lambda: Counters(
+            **preset, **options)
+        return Distributed(model, wrapped, lambda: Counters(
             wrapped.comm_stats.bytes_sent, wrapped.comm_stats.allreduces,
             wrapped.reducer.compression_seconds))
     return factory
@@ -152,17 +167,47 @@ def _ddp(model, ddp_options: dict):
     return DistributedDataParallel(model, **ddp_options)
 
 
-def _powersgd_ddp(model, optimizer, *, matrix_rank, warmup_steps, ddp_options, **options):
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+def _ddp_allreduce(model, optimizer, *, matrix_rank, warmup_steps, ddp_options, **options):
+    """S-SGD with DDP's built-in all-reduce: no hook, counted from its buckets."""
+    if warmup_steps:
+        raise ValueError("S-SGD averages every step exactly: it has no warmup_steps")
+    if options:
+        raise TypeError(f"DDP without a hook takes no hook options, got {sorted(options)}")
     wrapped = _ddp(model, ddp_options)
-    settings = dict(process_group=None, matrix_approximation_rank=matrix_rank,
-                    start_powerSGD_iter=2 if warmup_steps is None else warmup_steps,
-                    min_compression_rate=2, use_error_feedback=True, warm_start=True,
-                    random_seed=0)
-    settings.update(options)
-    state = psgd.PowerSGDState(**settings)
-    wrapped.register_comm_hook(state, serialized_hook(psgd.powerSGD_hook))
-    return Distributed(wrapped, optimizer, state)
+    counter = DDPBucketCounter(wrapped, optimizer)
+    return Distributed(wrapped, optimizer, counter.counters)
+
+
+def _ddp_fp16(model, optimizer, *, matrix_rank, warmup_steps, ddp_options, **options):
+    """S-SGD with DDP and torch's ``fp16_compress_hook`` (``options``: its
+    ``process_group``)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    if warmup_steps:
+        raise ValueError("S-SGD averages every step exactly: it has no warmup_steps")
+    unknown = sorted(set(options) - {"process_group"})
+    if unknown:
+        raise TypeError(f"fp16_compress_hook takes only process_group, got {unknown}")
+    wrapped = _ddp(model, ddp_options)
+    hook, counters = counted_hook(default_hooks.fp16_compress_hook, fp16_hook_payload)
+    wrapped.register_comm_hook(options.get("process_group"), hook)
+    return Distributed(wrapped, optimizer, counters)
+
+
+def _powersgd_ddp(batched: bool):
+    """Factory of torch's ``powerSGD_hook`` with ``batch_tensors_with_same_shape=batched``."""
+    def factory(model, optimizer, *, matrix_rank, warmup_steps, ddp_options, **options):
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+        wrapped = _ddp(model, ddp_options)
+        settings = dict(process_group=None, matrix_approximation_rank=matrix_rank,
+                        start_powerSGD_iter=2 if warmup_steps is None else warmup_steps,
+                        min_compression_rate=2, use_error_feedback=True, warm_start=True,
+                        batch_tensors_with_same_shape=batched, random_seed=0)
+        settings.update(options)
+        state = psgd.PowerSGDState(**settings)
+        probe = PowerSGDHookProbe()
+        wrapped.register_comm_hook(state, probe.wrap(serialized_hook(psgd.powerSGD_hook)))
+        return Distributed(wrapped, optimizer, probe.counters, state)
+    return factory
 
 
 def _acp_ddp(model, optimizer, *, matrix_rank, warmup_steps, ddp_options, **options):
@@ -175,8 +220,9 @@ def _acp_ddp(model, optimizer, *, matrix_rank, warmup_steps, ddp_options, **opti
         options["warmup_steps"] = warmup_steps
     state = hvd_acp.ddp.ACPState(matrix_rank=matrix_rank, optimizer=optimizer, **options)
     wrapped.register_comm_hook(state, hvd_acp.ddp.acp_hook)
-    return Distributed(wrapped, optimizer, state, counters=lambda: Counters(
-        state.comm_stats.bytes_sent, state.comm_stats.allreduces, state.compression_seconds))
+    return Distributed(wrapped, optimizer, lambda: Counters(
+        state.comm_stats.bytes_sent, state.comm_stats.allreduces, state.compression_seconds),
+        state)
 
 
 def serialized_hook(hook: Callable) -> Callable:
@@ -204,16 +250,40 @@ def serialized_hook(hook: Callable) -> Callable:
 
 
 # --------------------------------------------------------------- registry
+#: Why the planner does not simulate a method (Method.not_predicted).
+_NO_FP16_PROFILE = ("the profile has no time for the casts to and from fp16, and the "
+                    "timeline no fp16 payload")
+_NO_DDP_SSGD_TIMELINE = "the timeline has no DDP S-SGD (DDP's buckets without a hook) yet"
+
 #: Every method, by key, in report order.
 REGISTRY: Dict[str, Method] = {m.key: m for m in (
-    Method("ssgd", "S-SGD", "S-SGD", "hvd.DistributedOptimizer", HOROVOD, _ssgd,
+    Method("ssgd", "S-SGD", "S-SGD", "hvd.DistributedOptimizer", HOROVOD, _ssgd(False),
            "tab:gray"),
+    Method("ssgd-fp16", "S-SGD", "S-SGD (fp16)",
+           "hvd.DistributedOptimizer, hvd.Compression.fp16", HOROVOD, _ssgd(True),
+           "silver", not_predicted=_NO_FP16_PROFILE),
+    Method("ddp", "S-SGD", "S-SGD (DDP)", "torch DDP all-reduce", TORCHRUN, _ddp_allreduce,
+           "dimgray", not_predicted=_NO_DDP_SSGD_TIMELINE),
+    Method("ddp-fp16", "S-SGD", "S-SGD (DDP fp16)", "torch DDP fp16_compress_hook", TORCHRUN,
+           _ddp_fp16, "darkgray", not_predicted=_NO_FP16_PROFILE),
     Method("powersgd", "Power-SGD", "Power-SGD (hvd_acp)", "hvd_acp.PowerSGDOptimizer",
            HOROVOD, _hvd_acp_optimizer("PowerSGDOptimizer"), "tab:blue"),
     Method("powersgd-ddp", "Power-SGD", "Power-SGD (DDP hook)", "torch DDP powerSGD_hook",
-           TORCHRUN, _powersgd_ddp, "tab:cyan", min_warmup_steps=2),
+           TORCHRUN, _powersgd_ddp(batched=False), "tab:cyan", min_warmup_steps=2),
+    Method("powersgd-ddp-batched", "Power-SGD", "Power-SGD (DDP hook, batched)",
+           "torch DDP powerSGD_hook, batch_tensors_with_same_shape", TORCHRUN,
+           _powersgd_ddp(batched=True), "tab:purple", min_warmup_steps=2,
+           not_predicted="the profile times each matrix's factors apart, not stacked by shape"),
     Method("acp", "ACP-SGD", "ACP-SGD", "hvd_acp.DistributedOptimizer", HOROVOD,
            _hvd_acp_optimizer("DistributedOptimizer"), "tab:red"),
+    Method("acp-nooverlap", "ACP-SGD", "ACP-SGD (no overlap)",
+           "hvd_acp.DistributedOptimizer, overlap=False", HOROVOD,
+           _hvd_acp_optimizer("DistributedOptimizer", overlap=False), "tab:pink",
+           not_predicted="an ablation: the timeline simulates ACP-SGD's hooks during backward"),
+    Method("acp-nofusion", "ACP-SGD", "ACP-SGD (no fusion)",
+           "hvd_acp.DistributedOptimizer, fusion_threshold_bytes=0", HOROVOD,
+           _hvd_acp_optimizer("DistributedOptimizer", fusion_threshold_bytes=0), "tab:brown",
+           not_predicted="an ablation: the timeline simulates ACP-SGD's fused buffers"),
     Method("acp-ddp", "ACP-SGD", "ACP-SGD (DDP hook)", "DDP hvd_acp.ddp.acp_hook", TORCHRUN,
            _acp_ddp, "tab:orange"),
 )}
@@ -227,6 +297,11 @@ def get(key: str) -> Method:
         return REGISTRY[key]
     except KeyError:
         raise ValueError(f"method must be one of {', '.join(KEYS)}, got {key!r}") from None
+
+
+def predicted() -> Tuple[str, ...]:
+    """The keys the planner simulates (no :attr:`Method.not_predicted`), in report order."""
+    return tuple(key for key, method in REGISTRY.items() if method.not_predicted is None)
 
 
 def label(key: str) -> str:

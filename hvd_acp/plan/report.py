@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from ..methods import get, label
+from ..methods import REGISTRY, get, label
 from .cost import Network
 from .link import stack_s_per_byte
 from .timeline import METHODS, Settings, predict_methods
@@ -163,6 +163,11 @@ def format_plan_md(plan: dict) -> str:
     lines += ["", "Recommendations:", ""]
     for e in plan["predictions"]:
         lines.append(f"- {e['recommendation']['reason']}")
+    skipped = [m for m in REGISTRY.values() if m.not_predicted]
+    if skipped:
+        lines += ["", "Not predicted (measure them with `python -m benchmarks` or "
+                  "`hvd-acp-ab`):", ""]
+        lines += [f"- {m.label}: {m.not_predicted}." for m in skipped]
     if cfg.get("command"):
         lines += ["", f"Command: `{cfg['command']}`"]
     return "\n".join(lines) + "\n"

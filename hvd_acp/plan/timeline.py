@@ -51,7 +51,7 @@ import dataclasses
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..methods import KEYS
+from ..methods import REGISTRY, predicted
 from .cost import Network, allreduce_s
 
 __all__ = ["Settings", "StepPrediction", "HorovodThread", "predict_methods", "METHODS",
@@ -430,8 +430,10 @@ _PREDICTORS = {
     "acp-ddp": lambda profile, settings: _mean([_predict_acp_ddp_phase(profile, settings, ph)
                                                 for ph in ("P", "Q")]),
 }
-#: Methods predicted: those of :mod:`hvd_acp.methods` simulated here, in report order.
-METHODS = tuple(key for key in KEYS if key in _PREDICTORS)
+#: Methods predicted: those of :mod:`hvd_acp.methods` without a
+#: ``not_predicted`` reason, in report order; each has its simulation above.
+METHODS = predicted()
+assert set(METHODS) <= set(_PREDICTORS), sorted(set(METHODS) - set(_PREDICTORS))
 
 
 def predict_methods(profile: dict, settings: Settings,
@@ -439,5 +441,7 @@ def predict_methods(profile: dict, settings: Settings,
     """One predicted step per method (see the module docstring)."""
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
-        raise ValueError(f"methods must be among {METHODS}, got {unknown}")
+        reasons = "".join(f"; {m} is not predicted: {REGISTRY[m].not_predicted}"
+                          for m in unknown if m in REGISTRY)
+        raise ValueError(f"methods must be among {METHODS}, got {unknown}{reasons}")
     return {method: _PREDICTORS[method](profile, settings) for method in methods}
