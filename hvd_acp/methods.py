@@ -72,6 +72,10 @@ class Method:
             feedback and warm start).
         not_predicted: why the planner (:mod:`hvd_acp.plan`) does not
             simulate this method; None where it does.
+        variant_of: the key of the method this one is a setting or an
+            ablation of (fp16 on the wire, batching, no overlap, no fusion);
+            None for the reference implementation of its algorithm under its
+            launcher, which the convergence comparisons train.
     """
 
     key: str
@@ -83,6 +87,7 @@ class Method:
     color: str
     min_warmup_steps: int = 0
     not_predicted: Optional[str] = None
+    variant_of: Optional[str] = None
 
     @property
     def title(self) -> str:
@@ -261,11 +266,11 @@ REGISTRY: Dict[str, Method] = {m.key: m for m in (
            "tab:gray"),
     Method("ssgd-fp16", "S-SGD", "S-SGD (fp16)",
            "hvd.DistributedOptimizer, hvd.Compression.fp16", HOROVOD, _ssgd(True),
-           "silver", not_predicted=_NO_FP16_PROFILE),
+           "silver", not_predicted=_NO_FP16_PROFILE, variant_of="ssgd"),
     Method("ddp", "S-SGD", "S-SGD (DDP)", "torch DDP all-reduce", TORCHRUN, _ddp_allreduce,
            "dimgray", not_predicted=_NO_DDP_SSGD_TIMELINE),
     Method("ddp-fp16", "S-SGD", "S-SGD (DDP fp16)", "torch DDP fp16_compress_hook", TORCHRUN,
-           _ddp_fp16, "darkgray", not_predicted=_NO_FP16_PROFILE),
+           _ddp_fp16, "darkgray", not_predicted=_NO_FP16_PROFILE, variant_of="ddp"),
     Method("powersgd", "Power-SGD", "Power-SGD (hvd_acp)", "hvd_acp.PowerSGDOptimizer",
            HOROVOD, _hvd_acp_optimizer("PowerSGDOptimizer"), "tab:blue"),
     Method("powersgd-ddp", "Power-SGD", "Power-SGD (DDP hook)", "torch DDP powerSGD_hook",
@@ -273,17 +278,20 @@ REGISTRY: Dict[str, Method] = {m.key: m for m in (
     Method("powersgd-ddp-batched", "Power-SGD", "Power-SGD (DDP hook, batched)",
            "torch DDP powerSGD_hook, batch_tensors_with_same_shape", TORCHRUN,
            _powersgd_ddp(batched=True), "tab:purple", min_warmup_steps=2,
-           not_predicted="the profile times each matrix's factors apart, not stacked by shape"),
+           not_predicted="the profile times each matrix's factors apart, not stacked by shape",
+           variant_of="powersgd-ddp"),
     Method("acp", "ACP-SGD", "ACP-SGD", "hvd_acp.DistributedOptimizer", HOROVOD,
            _hvd_acp_optimizer("DistributedOptimizer"), "tab:red"),
     Method("acp-nooverlap", "ACP-SGD", "ACP-SGD (no overlap)",
            "hvd_acp.DistributedOptimizer, overlap=False", HOROVOD,
            _hvd_acp_optimizer("DistributedOptimizer", overlap=False), "tab:pink",
-           not_predicted="an ablation: the timeline simulates ACP-SGD's hooks during backward"),
+           not_predicted="an ablation: the timeline simulates ACP-SGD's hooks during backward",
+           variant_of="acp"),
     Method("acp-nofusion", "ACP-SGD", "ACP-SGD (no fusion)",
            "hvd_acp.DistributedOptimizer, fusion_threshold_bytes=0", HOROVOD,
            _hvd_acp_optimizer("DistributedOptimizer", fusion_threshold_bytes=0), "tab:brown",
-           not_predicted="an ablation: the timeline simulates ACP-SGD's fused buffers"),
+           not_predicted="an ablation: the timeline simulates ACP-SGD's fused buffers",
+           variant_of="acp"),
     Method("acp-ddp", "ACP-SGD", "ACP-SGD (DDP hook)", "DDP hvd_acp.ddp.acp_hook", TORCHRUN,
            _acp_ddp, "tab:orange"),
 )}

@@ -94,8 +94,11 @@ class Task:
 
 
 #: (row label, ``--optimizer`` of the examples, extra flags): the Horovod methods
-#: of hvd_acp.methods, each named by its algorithm.
-METHODS = tuple((m.algorithm, m.key, ()) for m in REGISTRY.values() if m.launcher == HOROVOD)
+#: of hvd_acp.methods, each named by its algorithm; one per algorithm (its
+#: variants, such as the ablations that only schedule the same maths
+#: differently, are left to the benchmark).
+METHODS = tuple((m.algorithm, m.key, ()) for m in REGISTRY.values()
+                if m.launcher == HOROVOD and m.variant_of is None)
 # Two settings compared with ACP-SGD's defaults on the LM: a higher rank, and
 # exact steps before compression starts (see lm-sweep).
 LM_ACP_SETTINGS = (("ACP-SGD, rank 48", "acp", ("--matrix-rank", "48")),

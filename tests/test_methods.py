@@ -30,6 +30,19 @@ def test_every_method_is_declared_once_in_report_order():
         methods.get("topk")
 
 
+def test_variants_name_a_reference_of_their_algorithm_and_launcher():
+    references = {}
+    for key, method in REGISTRY.items():
+        if method.variant_of is None:
+            assert (method.algorithm, method.launcher) not in references, key
+            references[(method.algorithm, method.launcher)] = key
+    for key, method in REGISTRY.items():
+        if method.variant_of is not None:
+            assert references[(method.algorithm, method.launcher)] == method.variant_of, key
+    assert {k for k, m in REGISTRY.items() if m.variant_of == "acp"} == {"acp-nooverlap",
+                                                                         "acp-nofusion"}
+
+
 def test_the_planner_predicts_the_methods_the_registry_does_not_exempt():
     from hvd_acp.plan import METHODS, Settings, predict_methods
     assert METHODS == methods.predicted() == tuple(k for k in KEYS if k in METHODS)
