@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--horovod-cycle-time-ms", type=float, default=None,
                         help="HOROVOD_CYCLE_TIME of the Horovod jobs (default: Horovod's, 1 ms); "
                              "like horovodrun --cycle-time-ms")
+    parser.add_argument("--count-ops", action="store_true",
+                        help="after each job's timed steps, count its operator calls per "
+                        "step (torch.profiler on the CPU, 2 untimed steps); results.md "
+                        "shows them over the floor's")
     parser.add_argument("--diagnostics", action="store_true",
                         help="also run the floor with all ranks computing at once, Horovod "
                              "initialized but idle, and ACP-SGD without communication: where "
@@ -119,6 +123,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         image_size=args.image_size, seq_len=args.seq_len, threads=args.threads,
         timeout_s=args.timeout, progress=not args.no_progress, reruns=args.reruns,
         diagnostics=args.diagnostics, horovod_cycle_time_ms=args.horovod_cycle_time_ms,
+        count_ops=args.count_ops,
         command=f"{PROG} " + " ".join(shlex.quote(a) for a in argv))
     try:
         results = run_benchmark(cfg)

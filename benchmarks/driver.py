@@ -72,6 +72,7 @@ class BenchConfig:
     reruns: int = 0
     diagnostics: bool = False
     horovod_cycle_time_ms: Optional[float] = None
+    count_ops: bool = False
     command: str = ""
 
 
@@ -159,7 +160,8 @@ class _Runner:
                 "--batch-size", str(c.batch_size), "--matrix-rank", str(c.matrix_rank),
                 "--steps", str(c.steps), "--warmup", str(c.warmup),
                 "--image-size", str(c.image_size), "--seq-len", str(c.seq_len),
-                "--threads", str(c.threads), "--result-dir", str(result_dir)]
+                "--threads", str(c.threads), "--result-dir", str(result_dir),
+                *(["--count-ops"] if c.count_ops else [])]
 
     def _tool(self, name: str) -> str:
         path = self.bin / name
@@ -275,6 +277,8 @@ def _summarize(cfg: BenchConfig, method: str, ranks: List[Dict[str, Any]]) -> Di
             combine_ranks([r["tiny_allreduce_s"] for r in ranks]), 50)
     if all("link_tx_bytes" in r for r in ranks):
         entry["link_tx_bytes_per_step"] = sum(r["link_tx_bytes"] for r in ranks) / per_rank
+    if "ops_per_step" in ranks[0]:                      # --count-ops: rank 0's
+        entry["ops_per_step"] = ranks[0]["ops_per_step"]
     if "bytes_sent_per_step_analytic" in ranks[0]:      # torch's powerSGD_hook
         entry["bytes_sent_per_step_analytic"] = ranks[0]["bytes_sent_per_step_analytic"]
     return entry
@@ -420,6 +424,11 @@ NOTES = [
     "and interval; verdict `faster` when the whole interval is below 1.0 (a needs less "
     "time, or fewer bytes), `slower` when above, `same` otherwise.",
     "exposed communication in breakdown.png = step - floor - compression, floored at 0.",
+    "ops_per_step (--count-ops): operator calls (`aten::` events of torch.profiler on the "
+    "CPU, every thread, nested calls included) per step on rank 0, over 2 steps run after "
+    "the timed ones and not timed; ops_over_floor_per_step subtracts the floor's (the "
+    "plain local step): the calls the method adds, its compression path and its "
+    "communication's tensor work. On a GPU each leaf call is a kernel launch.",
 ]
 
 
@@ -478,6 +487,11 @@ def run_benchmark(cfg: BenchConfig) -> Dict[str, Any]:
 
     compute_only = dict(summarize_rounds(per_round[FLOOR_JOB.key]), processes=1)
     methods = {m: summarize_rounds(per_round[m]) for m in cfg.methods}
+    floor_ops = compute_only.get("ops_per_step")
+    if floor_ops is not None:
+        for entry in methods.values():
+            if entry.get("ops_per_step") is not None:
+                entry["ops_over_floor_per_step"] = entry["ops_per_step"] - floor_ops
     diagnostics = {d: summarize_rounds(per_round[d]) for d in diagnostic_keys}
     gradient_bytes = compute_only.get("gradient_bytes")
     ratio = {"gradient_mb": gradient_bytes / 1e6 if gradient_bytes else None,
@@ -494,7 +508,7 @@ def run_benchmark(cfg: BenchConfig) -> Dict[str, Any]:
             else None, "seq_len": cfg.seq_len if cfg.model == "bert-base" else None,
             "threads_per_rank": cfg.threads, "cpus": os.cpu_count(),
             "horovod_cycle_time_ms": cfg.horovod_cycle_time_ms,
-            "methods": cfg.methods, "command": cfg.command,
+            "methods": cfg.methods, "command": cfg.command, "count_ops": cfg.count_ops,
             "compute_vs_communication": ratio, "rounds": cfg.rounds,
         },
         "rounds": cfg.rounds,

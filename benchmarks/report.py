@@ -157,6 +157,10 @@ def breakdown(entry: Dict[str, Any], floor: float) -> Dict[str, float]:
     return {"compute": floor, "compression": compression, "exposed_comm": exposed}
 
 
+def _fmt_ops(value: Optional[float]) -> str:
+    return "n/a" if value is None else f"{value:g}"
+
+
 def _fmt(value: Optional[float], digits: int = 3, suffix: str = "") -> str:
     if value is None:
         return "n/a"
@@ -243,6 +247,7 @@ def markdown(results: Dict[str, Any]) -> str:
     floor = floor_entry.get("step_s_median")
     link = (f"{cfg['bandwidth_mbit']:g} Mbit/s" if cfg.get("bandwidth_mbit") is not None
             else "no emulation (localhost)")
+    ops = floor_entry.get("ops_per_step") is not None
     lines = [
         f"# {cfg['model']}: {cfg['np']} ranks, batch {cfg['batch_size']} per rank, "
         f"matrix_rank {cfg['matrix_rank']}, link {link}",
@@ -250,8 +255,8 @@ def markdown(results: Dict[str, Any]) -> str:
         *_rounds_paragraph(results),
         "| method | step median (s) [interval] | p10-p90 of all steps (s) | samples/s "
         "| speedup vs S-SGD | x floor | MB sent/step/rank | all-reduces/step "
-        "| compression s/step |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| compression s/step |" + (" operator calls/step over the floor's |" if ops else ""),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if ops else ""),
     ]
     for method in _ordered(results["methods"]):
         entry = results["methods"][method]
@@ -269,13 +274,15 @@ def markdown(results: Dict[str, Any]) -> str:
             f"| {_fmt(entry['step_s_p10'])}-{_fmt(entry['step_s_p90'])} "
             f"| {_fmt(entry['samples_per_s'], 1)} | {speedup} "
             f"| {_fmt_ratio(find_ratio(results, method, FLOOR))} | {mb:.3f} "
-            f"| {entry['allreduces_per_step']:g} | {compression} |")
+            f"| {entry['allreduces_per_step']:g} | {compression} |"
+            + (f" {_fmt_ops(entry.get('ops_over_floor_per_step'))} |" if ops else ""))
     if floor is not None:
         lines.append(
             f"| compute only (floor, 1 process, no communication) "
             f"| {_step_range(floor_entry)} "
             f"| {_fmt(floor_entry.get('step_s_p10'))}-{_fmt(floor_entry.get('step_s_p90'))} "
-            f"| {_fmt(floor_entry.get('samples_per_s'), 1)} | | 1.00x | 0 | 0 | 0 |")
+            f"| {_fmt(floor_entry.get('samples_per_s'), 1)} | | 1.00x | 0 | 0 | 0 |"
+            + (f" 0 ({_fmt_ops(floor_entry['ops_per_step'])} in all) |" if ops else ""))
     lines.append("")
     lines += _comparison_table(results)
     lines += _phase_table(results)

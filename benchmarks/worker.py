@@ -35,6 +35,8 @@ PROGRESS_TAG = "@@benchmarks"
 
 #: Timed tiny all-reduces of the jobs with ``probe`` (the idle diagnostics).
 PROBE_CALLS = 20
+#: Steps profiled by ``--count-ops`` (2: one P and one Q step of ACP-SGD).
+OPS_STEPS = 2
 #: The settings of DistributedDataParallel in the DDP methods: the ranks build
 #: identical weights (seeded), so the initial broadcast is skipped; buffers
 #: are not synchronized either, as with Horovod.
@@ -55,6 +57,9 @@ def _parse(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--result-dir", required=True)
+    parser.add_argument("--count-ops", action="store_true",
+                        help="after the timed steps, count the operator calls of "
+                        f"{OPS_STEPS} more steps with torch.profiler")
     parser.add_argument("--rank", type=int, default=0,
                         help="rank of a process launched without a collective library")
     return parser.parse_args(argv)
@@ -106,6 +111,37 @@ def _train(spec, optimizer, steps: int, warmup: int, rank: int,
         _progress(rank, index + 1, total)
     return {"step_s": times, "phase_s": phases,
             "last_loss": float(loss.detach()) if loss is not None else None}
+
+
+def count_operator_calls(spec, optimizer, steps: int = OPS_STEPS) -> float:
+    """Operator calls per training step: ``aten::`` events that ``torch.profiler``
+    records on the CPU during ``steps`` more steps, divided by ``steps``.
+
+    Every call through torch's dispatcher counts, nested ones included (an
+    ``aten::linear`` and the ``aten::addmm`` it calls are two): on a GPU each
+    leaf is a kernel launch, so the count is the device-independent cost of a
+    step's small operations. Every thread is profiled (Kineto's
+    ``profile_all_threads``), so the maths a DDP hook runs in future
+    callbacks on Gloo's threads counts too. The steps train: run them after
+    the timed ones.
+    """
+    from torch._C._profiler import _ExperimentalConfig
+    from torch.profiler import ProfilerActivity, profile
+
+    every_thread = _ExperimentalConfig(profile_all_threads=True)
+    with profile(activities=[ProfilerActivity.CPU], experimental_config=every_thread) as prof:
+        for _ in range(steps):
+            _step(spec, optimizer)
+    return sum(1 for event in prof.events() if event.name.startswith("aten::")) / steps
+
+
+def _step(spec, optimizer):
+    """One training step; the loss."""
+    optimizer.zero_grad()
+    loss = spec.loss_fn(spec.model, spec.batch)
+    loss.backward()
+    optimizer.step()
+    return loss
 
 
 def _init(job: Job, args: argparse.Namespace) -> tuple:
@@ -209,6 +245,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     for key, get in counters.items():
         result[key] = get() - start[key]
     result["steps"] = args.steps
+    if args.count_ops:
+        result["ops_per_step"] = count_operator_calls(spec, optimizer)
     if job.probe:
         result["tiny_allreduce_s"] = probe_tiny_allreduce(job.launcher)
     return result
