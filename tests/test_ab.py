@@ -18,7 +18,7 @@ from hvd_acp.ab import report
 from hvd_acp.ab.__main__ import parse_methods
 from hvd_acp.methods import HOROVOD, TORCHRUN, get
 from hvd_acp.plan.models import build_model, build_user_model, check_model_name, to_device
-from tests.hvdrun import REPO, run_status, run_with_timeout
+from tests.hvdrun import REPO, run_status
 
 BIN = Path(sys.executable).parent
 USER_MODEL = "tests/workers/ab_user_model.py"
@@ -153,11 +153,12 @@ def _check_run(found: dict, methods, rounds: int, steps: int) -> None:
 
 def test_ab_under_horovodrun_on_a_builtin_model(tmp_path):
     methods = ("ssgd", "powersgd", "acp")
-    out = run_with_timeout(
+    status, out = run_status(
         [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo",
          str(BIN / "hvd-acp-ab"), "--model", "small", "--methods", ",".join(methods),
          "--rounds", "2", "--steps", "3", "--warmup", "2", "--device", "cpu", "--profile",
          "--out", str(tmp_path)], 240, "hvd-acp-ab under horovodrun")
+    assert status == 0, out[-3000:]
     assert "ACP-SGD" in out and "Caution: 2 rounds" in out, out[-3000:]
     assert "Compute only, one process" in out
     # Its single-process profile feeds the planner.
@@ -176,11 +177,12 @@ def test_ab_under_horovodrun_on_a_builtin_model(tmp_path):
 
 def test_ab_under_torchrun_on_a_user_model(tmp_path):
     methods = ("powersgd-ddp", "acp-ddp")
-    out = run_with_timeout(
+    status, out = run_status(
         [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "hvd_acp.ab",
          "--ddp", "--model", f"{USER_MODEL}:build", "--methods", ",".join(methods),
          "--rounds", "2", "--steps", "2", "--warmup", "1", "--batch-size", "8",
          "--device", "cpu", "--out", str(tmp_path)], 240, "hvd-acp-ab under torchrun")
+    assert status == 0, out[-3000:]
     found = _read(tmp_path)
     _check_run(found, methods, rounds=2, steps=2)
     assert found["config"]["launcher"] == "torchrun" and found["config"]["batch_size"] == 8

@@ -10,6 +10,7 @@ weights).
 """
 from __future__ import annotations
 
+import gc
 import os
 from typing import Any, List
 
@@ -68,7 +69,14 @@ class World:
                 dist.broadcast(tensor, src=0)
 
     def shutdown(self) -> None:
-        """Leave the collective library cleanly."""
+        """Leave the collective library cleanly.
+
+        What the methods left (DDP reducers, hook states, their futures) is
+        collected first: left to interpreter finalization, a Gloo work that
+        still holds their tensors is destroyed without the interpreter and
+        aborts the process ("terminate called without an active exception").
+        """
+        gc.collect()
         if self.launcher == HOROVOD:
             import horovod.torch as hvd
             hvd.shutdown()
