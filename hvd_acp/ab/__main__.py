@@ -25,7 +25,8 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..methods import HOROVOD, KEYS, TORCHRUN, get
-from ..plan.models import DEFAULT_BATCH_SIZE, build_model, check_model_name, default_matrix_rank
+from ..plan.models import (add_model_arguments, build_model, default_batch_size,
+                           default_matrix_rank)
 from ..plan.units import positive_int
 from . import report
 from .runner import Settings, measure
@@ -34,8 +35,6 @@ from .world import start
 #: ``--methods`` by default: S-SGD in fp32 and fp16, Power-SGD and ACP-SGD.
 DEFAULT_METHODS = {HOROVOD: ("ssgd", "ssgd-fp16", "powersgd", "acp"),
                    TORCHRUN: ("ddp", "ddp-fp16", "powersgd-ddp-batched", "acp-ddp")}
-#: ``--batch-size`` of a user's model when not given.
-DEFAULT_USER_BATCH_SIZE = 32
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,11 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time S-SGD, Power-SGD and ACP-SGD on this launch's ranks and devices "
                     "in rotating rounds, and say whether ACP-SGD pays here. Run it under "
                     "horovodrun, or under torchrun with --ddp.")
-    p.add_argument("--model", type=_model_name, default="resnet50",
-                   help="resnet50, bert-base, small, or your own model as "
-                        "package.module:function or path/to/file.py:function; the "
-                        "function gets the batch size and returns (model, batch) or "
-                        "(model, batch, loss_fn) (default resnet50)")
+    add_model_arguments(p, default="resnet50")
     p.add_argument("--ddp", action="store_true",
                    help="measure the DDP methods (torch.distributed, under torchrun) "
                         "instead of Horovod's")
@@ -59,12 +54,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="cuda: one device per local rank (default: cuda where torch sees "
                         "one, else cpu)")
-    p.add_argument("--batch-size", type=positive_int, default=None,
-                   help="per rank (default: " + ", ".join(
-                       f"{m} {b}" for m, b in DEFAULT_BATCH_SIZE.items())
-                   + f", your model {DEFAULT_USER_BATCH_SIZE})")
-    p.add_argument("--matrix-rank", type=positive_int, default=None,
-                   help="factor rank (default 4; 32 for bert-base)")
     p.add_argument("--rounds", type=positive_int, default=6,
                    help="rounds, every method once per round (default 6: the fewest "
                         "that give a 95%% interval)")
@@ -76,10 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch threads per rank on CPUs (default: the node's cores over "
                         "its ranks)")
-    p.add_argument("--image-size", type=positive_int, default=128,
-                   help="resnet50's input size (default 128)")
-    p.add_argument("--seq-len", type=positive_int, default=64,
-                   help="bert-base's sequence length (default 64)")
     p.add_argument("--out", type=Path, default=None,
                    help="folder for ab.json and ab.md (rank 0 writes them)")
     p.add_argument("--profile", action="store_true",
@@ -87,13 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "nothing communicated (the floor, shown in the table), and write "
                         "it to --out/profile.json for hvd-acp-plan predict --profile")
     return p
-
-
-def _model_name(text: str) -> str:
-    try:
-        return check_model_name(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_methods(text: Optional[str], launcher: str) -> List[str]:
@@ -154,7 +132,7 @@ def _profile(world, spec, matrix_rank: int, args, progress) -> Optional[Dict[str
 
 def spec_batch_size(args) -> int:
     """The batch size per rank that ``args`` ask for."""
-    return args.batch_size or DEFAULT_BATCH_SIZE.get(args.model, DEFAULT_USER_BATCH_SIZE)
+    return args.batch_size or default_batch_size(args.model)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

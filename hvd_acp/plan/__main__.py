@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from .models import DEFAULT_BATCH_SIZE, MODELS, check_model_name
+from .models import add_model_arguments, default_batch_size
 from .units import number_type, parse_bandwidth_list, parse_int_list, positive_int
 
 SUBCOMMANDS = ("profile", "predict", "validate")
@@ -30,36 +30,13 @@ _positive_float = number_type(float, lambda v: v > 0, "a positive number")
 _non_negative_float = number_type(float, lambda v: v >= 0, "a number >= 0")
 
 
-#: ``--batch-size`` of a user's model when not given.
-DEFAULT_USER_BATCH_SIZE = 32
-
-
-def _model_name(text: str) -> str:
-    try:
-        return check_model_name(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _add_model_args(p: argparse.ArgumentParser, required: bool) -> None:
-    p.add_argument("--model", type=_model_name, required=required,
-                   help=f"a built-in model ({', '.join(MODELS)}) or your own as "
-                        "package.module:function or path/to/file.py:function (it gets the "
-                        "batch size and returns (model, batch) or (model, batch, loss_fn)), "
-                        "profiled on this machine")
-    p.add_argument("--batch-size", type=positive_int, default=None,
-                   help="per rank (default: " + ", ".join(
-                       f"{m} {b}" for m, b in DEFAULT_BATCH_SIZE.items())
-                   + f", your model {DEFAULT_USER_BATCH_SIZE})")
-    p.add_argument("--matrix-rank", type=positive_int, default=None,
-                   help="factor rank (default: 4 for resnet50 and small, 32 for bert-base)")
+    add_model_arguments(p, required=required, what=", profiled on this machine")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--threads-per-rank", type=positive_int, default=None,
                    help="torch threads while profiling on the CPU: those of one rank (default "
                         "1, a rank per core, as the benchmark's ranks run; give the cores of "
                         "one rank where ranks get several)")
-    p.add_argument("--image-size", type=positive_int, default=128)
-    p.add_argument("--seq-len", type=positive_int, default=64)
     p.add_argument("--steps", type=positive_int, default=3, help="timed profiling steps (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     p.add_argument("--repeats", type=positive_int, default=3,
@@ -161,9 +138,7 @@ def _builtin(args) -> dict:
     from .profile import profile_builtin
     if not str(args.device).startswith("cuda"):
         torch.set_num_threads(args.threads_per_rank or 1)
-    return profile_builtin(args.model,
-                           args.batch_size or DEFAULT_BATCH_SIZE.get(args.model,
-                                                                     DEFAULT_USER_BATCH_SIZE),
+    return profile_builtin(args.model, args.batch_size or default_batch_size(args.model),
                            matrix_rank=args.matrix_rank, device=args.device,
                            image_size=args.image_size, seq_len=args.seq_len, steps=args.steps,
                            warmup=args.warmup, repeats=args.repeats)

@@ -14,6 +14,7 @@ training step is ``loss_fn(model, batch).backward()``.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib
 import importlib.util
@@ -27,12 +28,15 @@ from torch import Tensor, nn
 
 __all__ = ["MODELS", "DEFAULT_BATCH_SIZE", "ModelSpec", "SmallNet", "build_model",
            "build_user_model", "is_user_model", "default_matrix_rank", "check_model_name",
-           "to_device"]
+           "default_batch_size", "add_model_arguments", "to_device"]
 
 #: Model names accepted by ``--model``.
 MODELS = ("resnet50", "bert-base", "small")
 #: Default batch size per rank of each model.
 DEFAULT_BATCH_SIZE = {"resnet50": 8, "bert-base": 4, "small": 32}
+
+#: Default batch size per rank of a user's model (``module:function``).
+DEFAULT_USER_BATCH_SIZE = 32
 
 #: Default ``matrix_rank`` per model, as in the ACP-SGD paper (4 for CNNs,
 #: 32 for transformers).
@@ -74,6 +78,41 @@ def check_model_name(name: str) -> str:
         return name
     raise ValueError(f"--model must be one of {', '.join(MODELS)} or "
                      f"'package.module:function' / 'path/to/file.py:function', got {name!r}")
+
+
+def default_batch_size(model: str) -> int:
+    """The batch size per rank of ``--model`` when ``--batch-size`` is not given."""
+    return DEFAULT_BATCH_SIZE.get(model, DEFAULT_USER_BATCH_SIZE)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, default: str = None,
+                        required: bool = False, what: str = "") -> None:
+    """``--model``, ``--batch-size``, ``--matrix-rank``, ``--image-size`` and
+    ``--seq-len``, as the planner and the A/B tool take them."""
+    from .units import positive_int
+
+    def model_name(text: str) -> str:
+        try:
+            return check_model_name(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parser.add_argument("--model", type=model_name, default=default, required=required,
+                        help=f"a built-in model ({', '.join(MODELS)}) or your own as "
+                             "package.module:function or path/to/file.py:function: it gets "
+                             "the batch size and returns (model, batch) or (model, batch, "
+                             f"loss_fn){what}"
+                             + (f" (default {default})" if default else ""))
+    parser.add_argument("--batch-size", type=positive_int, default=None,
+                        help="per rank (default: " + ", ".join(
+                            f"{m} {b}" for m, b in DEFAULT_BATCH_SIZE.items())
+                        + f", your model {DEFAULT_USER_BATCH_SIZE})")
+    parser.add_argument("--matrix-rank", type=positive_int, default=None,
+                        help="factor rank (default: 32 for bert-base, 4 otherwise)")
+    parser.add_argument("--image-size", type=positive_int, default=128,
+                        help="resnet50's input height and width (default 128)")
+    parser.add_argument("--seq-len", type=positive_int, default=64,
+                        help="bert-base's tokens per sequence (default 64)")
 
 
 def default_matrix_rank(model: str) -> int:
