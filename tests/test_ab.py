@@ -190,6 +190,33 @@ def test_ab_under_torchrun_on_a_user_model(tmp_path):
     assert found["summary"]["candidate"] == "acp-ddp"
 
 
+def test_ab_under_horovodrun_on_a_user_module_and_torchrun_defaults(tmp_path):
+    # A user's model given as package.module:function, its loss the stand-in.
+    status, out = run_status(
+        [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo",
+         sys.executable, "-m", "hvd_acp.ab", "--model",
+         "tests.workers.ab_user_model:build_without_loss", "--methods", "ssgd-fp16,acp",
+         "--rounds", "2", "--steps", "2", "--warmup", "1", "--batch-size", "4",
+         "--device", "cpu", "--out", str(tmp_path / "hvd")], 240, "hvd-acp-ab, a user module")
+    assert status == 0, out[-3000:]
+    found = _read(tmp_path / "hvd")
+    _check_run(found, ("ssgd-fp16", "acp"), rounds=2, steps=2)
+    sent = {k: v["bytes_per_step"] for k, v in found["summary"]["methods"].items()}
+    params = 16 * 3 * 9 + 16 + 16 * 16 * 16 * 10 + 10
+    assert sent["ssgd-fp16"] == 2 * params          # every gradient once, in fp16
+    # The DDP defaults: DDP (fp32, fp16), batched powerSGD_hook, ACP-SGD's hook.
+    status, out = run_status(
+        [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "hvd_acp.ab",
+         "--ddp", "--model", "small", "--rounds", "2", "--steps", "2", "--warmup", "2",
+         "--device", "cpu", "--out", str(tmp_path / "ddp")], 240, "hvd-acp-ab --ddp defaults")
+    assert status == 0, out[-3000:]
+    found = _read(tmp_path / "ddp")
+    methods = ("ddp", "ddp-fp16", "powersgd-ddp-batched", "acp-ddp")
+    _check_run(found, methods, rounds=2, steps=2)
+    sent = {k: v["bytes_per_step"] for k, v in found["summary"]["methods"].items()}
+    assert sent["ddp-fp16"] * 2 == sent["ddp"] and sent["acp-ddp"] < sent["ddp"] / 10
+
+
 def test_ab_refuses_wrong_methods_and_single_rank_without_hanging(tmp_path):
     status, out = run_status(
         [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo",
