@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import hvd_acp.ddp  # noqa: E402
 from hvd_acp.compression import Phase  # noqa: E402
+from worker_io import report  # noqa: E402
 
 torch.set_num_threads(1)
 TEACHER = torch.randn(6, 6, generator=torch.Generator().manual_seed(99))
@@ -667,13 +668,6 @@ def case_errors(_):
     model = ddp(build(Square), differing)
     expect_error(ValueError, "matrix_rank=2 on rank 0 but 3 on rank 1",
                  lambda: F.cross_entropy(model(x), y).backward())
-
-
-def report(text):
-    """One write per line: the ranks share the launcher's pipe, and lines
-    written in pieces interleave."""
-    sys.stdout.flush()
-    os.write(sys.stdout.fileno(), f"{text}\n".encode())
 
 
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}

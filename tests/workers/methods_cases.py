@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from hvd_acp import methods
+from worker_io import report
 
 STEPS = 6
 MATRIX_RANK = 2
@@ -106,8 +107,8 @@ def main(argv) -> int:
     for key in keys:
         result = train(world, key)
         if world.rank == 0:
-            print("RESULT " + json.dumps(result), flush=True)
-    print(f"OK {launcher} {world.rank}", flush=True)
+            report("RESULT " + json.dumps(result))
+    report(f"OK {launcher} {world.rank}")
     world.shutdown()
     return 0
 
