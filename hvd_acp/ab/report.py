@@ -19,7 +19,10 @@ CANDIDATES = ("acp", "acp-ddp")
 
 
 def _interval(values: Sequence[float], log: bool = False) -> Dict[str, Any]:
-    found = median_interval(values, log=log)
+    return _as_dict(median_interval(values, log=log))
+
+
+def _as_dict(found: Interval) -> Dict[str, Any]:
     return {**found.as_dict(), "coverage": found.coverage, "n": found.n}
 
 
@@ -57,8 +60,7 @@ def summarize(measured: Dict[str, Dict[str, Any]], samples_per_step: int) -> Dic
                 continue
             # other's step / candidate's step: above 1.0 the candidate is faster.
             speedup = median_interval(ratios, log=True)
-            comparisons[key] = {**_interval(ratios, log=True),
-                                "verdict": _verdict_for_candidate(speedup)}
+            comparisons[key] = {**_as_dict(speedup), "verdict": _verdict_for_candidate(speedup)}
     summary = {"candidate": candidate, "methods": methods, "speedup": comparisons}
     summary["recommendation"] = recommendation(summary)
     return summary
