@@ -3,6 +3,7 @@
     optimizer = hvd_acp.DistributedOptimizer(optimizer,
                                              named_parameters=model.named_parameters())
 """
+from .autorank import AutoRank
 from .compression import Phase
 from .comm import CommStats, Communicator, HorovodCommunicator, LocalCommunicator
 from .optimizer import DistributedOptimizer
@@ -10,7 +11,7 @@ from .powersgd import PowerSGDOptimizer
 
 __version__ = "0.1.0"
 
-__all__ = ["DistributedOptimizer", "PowerSGDOptimizer", "Phase", "CommStats", "Communicator",
+__all__ = ["DistributedOptimizer", "PowerSGDOptimizer", "AutoRank", "Phase", "CommStats", "Communicator",
            "HorovodCommunicator", "LocalCommunicator", "__version__"]
 
 

@@ -176,6 +176,11 @@ class ACPState:
         """Elements one rank sends in an iteration of ``phase`` (known parameters)."""
         return self.compression.wire_elements(phase)
 
+    def chosen_ranks(self) -> Dict[str, int]:
+        """name -> rank of every compressed parameter (the choices of the last
+        probe under ``matrix_rank="auto"``), identical on every rank."""
+        return self.compression.ranks()
+
     # ------------------------------------------------------------- optimizer
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Give the state the DDP model's optimizer, for step-ahead error feedback.
@@ -395,6 +400,7 @@ class ACPState:
         state = self.compression
         layouts = [state.layouts[n] for n in names]
         phase, iteration = state.phase, state.step_count
+        probing = state.probing
         world_size = self._world_size()
 
         started = time.perf_counter()
@@ -409,6 +415,8 @@ class ACPState:
             if name in bases:
                 state.tensors[name].compress_(phase, grad, bases[name],
                                               slot.view(lay.payload_shape(phase)))
+            elif probing and name in state.tensors:
+                state.probe_payload_(name, grad, slot)      # M + E, residual paid
             else:
                 slot.copy_(grad.reshape(-1))
         self._spent(time.perf_counter() - started)
@@ -419,6 +427,7 @@ class ACPState:
         future = dist.all_reduce(payload, group=self.process_group, async_op=True).get_future()
         self._end_bucket(bucket)
         tensors = [state.tensors.get(n) for n in names]
+        bucket_is_last = bucket.is_last()
 
         def finish(fut: torch.futures.Future) -> Tensor:
             started = time.perf_counter()
@@ -436,6 +445,10 @@ class ACPState:
                         grad.copy_(target.view(grad.shape))
                 else:
                     grad.copy_(slot.view(grad.shape))
+                    if probing and tensor is not None and name not in bad:
+                        state.probe_(name, slot, iteration)   # rank chosen from the average
+            if probing and bucket_is_last:
+                state.end_probe(iteration)
             if bad:
                 with self._lock:
                     if self._last_nonfinite != iteration:

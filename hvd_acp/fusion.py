@@ -13,7 +13,7 @@ import torch
 
 from .compression import Phase, factor_rank, matrix_shape, should_compress
 
-__all__ = ["TensorLayout", "Slot", "Bucket", "make_layouts", "plan_buckets"]
+__all__ = ["TensorLayout", "Slot", "Bucket", "make_layouts", "plan_buckets", "rank_limit"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,19 +88,36 @@ class Bucket:
         return self.numel * torch.empty((), dtype=self.dtype).element_size()
 
 
+def rank_limit(n: int, m: int, min_compression_rate: float) -> int:
+    """The largest rank at which an (n, m) matrix is still compressed
+    (``(n + m) * r * min_compression_rate <= n * m``), at most ``min(n, m)``."""
+    if min_compression_rate <= 0:
+        return min(n, m)
+    return max(0, min(n, m, int(n * m // ((n + m) * min_compression_rate))))
+
+
 def make_layouts(named_shapes: Sequence[Tuple[str, Tuple[int, ...], torch.dtype]],
                  matrix_rank: int, min_compression_rate: float,
-                 payload_dtype=lambda dtype: dtype) -> List[TensorLayout]:
-    """Layouts for parameters given as (name, shape, dtype) triples."""
+                 payload_dtype=lambda dtype: dtype, any_rank: bool = False) -> List[TensorLayout]:
+    """Layouts for parameters given as (name, shape, dtype) triples.
+
+    With ``any_rank`` (auto rank) a matrix is compressed when some rank
+    compresses it, and its rank is ``matrix_rank`` capped at
+    :func:`rank_limit`; probes change it later.
+    """
     layouts = []
     for name, shape, dtype in named_shapes:
         shape = tuple(int(s) for s in shape)
         n, m = matrix_shape(shape)
-        compressed = should_compress(shape, matrix_rank, min_compression_rate)
+        if any_rank:
+            compressed = should_compress(shape, 1, min_compression_rate)
+            rank = min(factor_rank(n, m, matrix_rank), rank_limit(n, m, min_compression_rate))
+        else:
+            compressed = should_compress(shape, matrix_rank, min_compression_rate)
+            rank = factor_rank(n, m, matrix_rank)
         layouts.append(TensorLayout(
             name=name, shape=shape, dtype=payload_dtype(dtype), grad_dtype=dtype,
-            n=n, m=m, r=factor_rank(n, m, matrix_rank) if compressed else 0,
-            compressed=compressed))
+            n=n, m=m, r=rank if compressed else 0, compressed=compressed))
     return layouts
 
 

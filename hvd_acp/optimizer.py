@@ -131,7 +131,11 @@ class DistributedOptimizer(_LocalStep):
 
     Args:
         matrix_rank: rank r of the factors P (n, r) and Q (m, r). Higher is
-            more accurate and sends more. 4 suits CNNs, 32 transformers.
+            more accurate and sends more. ``"auto"`` (or an
+            :class:`~hvd_acp.AutoRank` to set its energy share and budget)
+            chooses a rank per tensor from the averaged gradients at probe
+            steps (see :mod:`hvd_acp.autorank` and docs/guide.md); an int
+            pins one rank for every tensor.
         fusion_threshold_bytes: the S-SGD fusion threshold the buffers are
             planned from; each buffer's payload is about this times the
             phase's compression ratio. 0 gives one buffer per tensor.
@@ -317,6 +321,11 @@ class DistributedOptimizer(_LocalStep):
     @property
     def reducer(self) -> ACPReducer:
         return self._reducer
+
+    def chosen_ranks(self) -> Dict[str, int]:
+        """name -> rank of every compressed parameter (the choices of the last
+        probe under ``matrix_rank="auto"``), identical on every rank."""
+        return self._reducer.state.ranks()
 
     @property
     def parameter_names(self) -> Dict[torch.Tensor, str]:

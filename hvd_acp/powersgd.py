@@ -37,8 +37,11 @@ class PowerSGDReducer(ACPReducer):
 
     @property
     def phase(self) -> Phase:
-        """DENSE during warm-up, then P: every step starts with the P all-reduce."""
-        return Phase.DENSE if self.step_count < self.state.warmup_steps else Phase.P
+        """DENSE during warm-up (and auto-rank probes), then P: every step
+        starts with the P all-reduce."""
+        if self.step_count < self.state.warmup_steps or self.state.probing:
+            return Phase.DENSE
+        return Phase.P
 
     def _prepare_bases(self) -> None:
         # Power-SGD multiplies by the previous Q as it is (warm start).

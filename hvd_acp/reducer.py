@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from .comm import Communicator
-from .compression import Phase, phase_of
+from .compression import Phase
 from .diagnostics import StepRecord, subspace_turn
 from .fusion import Bucket, TensorLayout, plan_buckets
 from .state import CompressionState, nonfinite_names
@@ -153,8 +153,8 @@ class ACPReducer:
         #: Where this rank's state came from, for that check's error message.
         self._origin = "fresh"
 
-        self._plans: Dict[Tuple[Phase, Tuple[str, ...]], List[Bucket]] = {}
-        self._buffers: Dict[Tuple[Phase, Tuple[str, ...]], List[Tensor]] = {}
+        self._plans: Dict[tuple, List[Bucket]] = {}
+        self._buffers: Dict[tuple, List[Tensor]] = {}
         self._hooks: Dict[str, object] = {}
         self._passes: Dict[str, int] = {name: 0 for name in self.params}
         #: Without overlap: names whose last backward pass of the step has
@@ -183,7 +183,7 @@ class ACPReducer:
     @property
     def phase(self) -> Phase:
         """Phase of the current step, derived from ``step_count``."""
-        return phase_of(self.state.step_count, self.state.warmup_steps)
+        return self.state.phase
 
     def _prepare_bases(self) -> None:
         """Orthonormalize the reused factor of every compressed tensor.
@@ -285,8 +285,11 @@ class ACPReducer:
 
     def _plan(self, phase: Phase, names: Tuple[str, ...]) -> Tuple[List[Bucket], List[Tensor]]:
         """Buckets and their flat buffers for ``phase`` over ``names`` (cached)."""
-        key = (phase, names)
+        key = (phase, names, self.state.layout_version)
         if key not in self._plans:
+            if len(self._plans) > 64:          # ranks changed many times: drop old plans
+                self._plans.clear()
+                self._buffers.clear()
             layouts = [self.layouts[n] for n in names]
             active = set(names)
             groups = ([[n for n in g if n in active] for g in self.groups]
@@ -330,6 +333,8 @@ class ACPReducer:
             started = time.perf_counter()
             self._compress(rnd.phase, name, grad, out)
             self.compression_seconds += time.perf_counter() - started
+        elif lay.compressed and name not in rnd.sparse and self.state.probing:
+            self.state.probe_payload_(name, grad, out)      # M + E, residual paid
         elif grad is None:
             out.zero_()
         else:
@@ -393,6 +398,8 @@ class ACPReducer:
                 if slot.name not in rnd.filled:
                     self._take(slot.name, self.params[slot.name])
         self._complete(rnd)
+        if rnd.phase is Phase.DENSE and self.state.probing:
+            self._probe(rnd)
         self._complete_sparse(rnd)
         self._round = None
         self._deferred.clear()
@@ -403,6 +410,28 @@ class ACPReducer:
             self._record = None
         self.state.step_count += 1
         self.register_hooks()
+
+    def _probe(self, rnd: _Round) -> None:
+        """Choose each compressed tensor's rank from its averaged gradient (auto rank).
+
+        The averaged buffers are identical on every rank, so every rank
+        chooses the same ranks and factors. A tensor whose average is not
+        finite, or that arrived sparse, keeps its rank and factors.
+        """
+        started = time.perf_counter()
+        for name in self.state.tensors:
+            if name not in rnd.where or name in rnd.sparse:
+                continue
+            averaged = self._slot_view(rnd, name)
+            if bool(torch.isfinite(averaged).all()):
+                self.state.probe_(name, averaged)
+        self.state.end_probe()
+        self._bases_phase = None
+        if self.diagnostics is not None:
+            self.diagnostics.append({"step": self.step_count, "phase": "probe",
+                                     "ranks": self.state.ranks(),
+                                     "kept_energy": dict(self.state.kept_energy)})
+        self.compression_seconds += time.perf_counter() - started
 
     def applied_scale(self) -> float:
         """How the user rescaled the written gradients since synchronize().

@@ -27,6 +27,7 @@ it only on the rank that saved it and starts the others from zero.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import numbers
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
@@ -34,9 +35,10 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from .autorank import AutoRank, choose_rank, energy_curve, parse_matrix_rank, spectral_factors
 from .compression import (Phase, compress_, compute_dtype, init_factor, local_residual_,
-                          orthonormalize_, phase_of, reconstruct_)
-from .fusion import TensorLayout, make_layouts
+                          orthonormalize_, reconstruct_)
+from .fusion import TensorLayout, make_layouts, rank_limit
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +58,7 @@ def is_int(value) -> bool:
 def check_compression_settings(matrix_rank, min_compression_rate, warmup_steps, seed) -> None:
     """Raise ``ValueError``/``TypeError`` naming the first bad setting of a
     :class:`CompressionState`; front ends call it before any collective."""
-    if not is_int(matrix_rank) or matrix_rank < 1:
-        raise ValueError(f"matrix_rank must be a positive int, got {matrix_rank!r}")
+    parse_matrix_rank(matrix_rank)
     if (not isinstance(min_compression_rate, numbers.Real)
             or isinstance(min_compression_rate, bool) or not min_compression_rate >= 0):
         raise ValueError("min_compression_rate must be a number >= 0, got "
@@ -93,6 +94,14 @@ class CompressedTensor:
         self.q = init_factor(lay.m, lay.r, generator, lay.dtype, device)
         self.p = init_factor(lay.n, lay.r, generator, lay.dtype, device)
         self.error = torch.zeros(lay.n, lay.m, dtype=lay.dtype, device=device)
+
+    def resize_(self, layout: TensorLayout, p: Tensor, q: Tensor) -> None:
+        """Take a new rank (``layout.r``) with the factors ``p`` (n, r) and
+        ``q`` (m, r); the residual, whose shape does not depend on the rank,
+        is kept."""
+        self.layout = layout
+        self.p = p.to(dtype=layout.dtype, device=self.error.device).contiguous()
+        self.q = q.to(dtype=layout.dtype, device=self.error.device).contiguous()
 
     def reused(self, phase: Phase) -> Tensor:
         """The factor a step of ``phase`` projects on: Q for a P step, P for a Q step."""
@@ -189,7 +198,9 @@ class CompressionState:
     """Settings, step count and per-parameter state of ACP-SGD for one model.
 
     Args:
-        matrix_rank: rank r of the factors.
+        matrix_rank: rank r of the factors; ``"auto"`` or an
+            :class:`~hvd_acp.autorank.AutoRank` for a rank per tensor chosen
+            at probe steps (see :mod:`.autorank`).
         min_compression_rate: see :func:`.compression.should_compress`.
         warmup_steps: steps of exact averaging before compression starts.
         seed: seed of the dedicated generator that draws the initial factors
@@ -207,6 +218,15 @@ class CompressionState:
                  seed: int) -> None:
         check_compression_settings(matrix_rank, min_compression_rate, warmup_steps, seed)
         self.matrix_rank = matrix_rank
+        #: The rank of a tensor's first layout (``max_rank`` under auto) and the
+        #: auto-rank policy (None for a fixed rank).
+        self._initial_rank, self.auto = parse_matrix_rank(matrix_rank)
+        #: Bumped whenever a tensor's rank changes (fused-buffer plans depend on it).
+        self.layout_version = 0
+        #: Under auto: (step, {name: rank}) of every probe so far, and the
+        #: share of each probed gradient's energy its rank keeps.
+        self.rank_history: List[Tuple[int, Dict[str, int]]] = []
+        self.kept_energy: Dict[str, float] = {}
         self.min_compression_rate = min_compression_rate
         self.warmup_steps = warmup_steps
         self.seed = seed
@@ -224,8 +244,9 @@ class CompressionState:
         """Add a parameter; draws its initial factors if it is compressed."""
         if name in self.layouts:
             raise ValueError(f"two parameters are named {name!r}")
-        lay, = make_layouts([(name, tuple(shape), dtype)], self.matrix_rank,
-                            self.min_compression_rate, payload_dtype=compute_dtype)
+        lay, = make_layouts([(name, tuple(shape), dtype)], self._initial_rank,
+                            self.min_compression_rate, payload_dtype=compute_dtype,
+                            any_rank=self.auto is not None)
         self.layouts[name] = lay
         if lay.compressed:
             self.tensors[name] = CompressedTensor(lay, self._generator, device)
@@ -235,8 +256,91 @@ class CompressionState:
 
     @property
     def phase(self) -> Phase:
-        """Phase of the current step: DENSE during warm-up, then P, Q, P, ..."""
-        return phase_of(self.step_count, self.warmup_steps)
+        """Phase of the current step: DENSE during warm-up, then P, Q, P, ...
+
+        Under auto rank a probe step is DENSE too, and P, Q, ... start again
+        after it (the first step after a probe uses the probe's Q).
+        """
+        since = self.step_count - self.warmup_steps
+        if since < 0:
+            return Phase.DENSE
+        if self.auto is not None:
+            last = self.auto.last_probe(since)
+            if last == since:
+                return Phase.DENSE
+            since -= last + 1
+        return Phase.P if since % 2 == 0 else Phase.Q
+
+    @property
+    def probing(self) -> bool:
+        """Whether the current step is an auto-rank probe (DENSE, residuals
+        sent along, ranks chosen from the average)."""
+        since = self.step_count - self.warmup_steps
+        return self.auto is not None and since >= 0 and self.auto.is_probe(since)
+
+    def ranks(self) -> Dict[str, int]:
+        """name -> rank of every compressed tensor."""
+        return {name: t.layout.r for name, t in self.tensors.items()}
+
+    def probe_payload_(self, name: str, grad: Optional[Tensor], out: Tensor) -> None:
+        """A probe step's payload of a compressed tensor: ``M + E`` into ``out``
+        (any shape of n * m elements); the residual restarts from zero."""
+        tensor = self.tensors[name]
+        flat = out.view(tensor.layout.n, tensor.layout.m)
+        if grad is None:
+            flat.copy_(tensor.error)
+        else:
+            torch.add(grad.reshape(flat.shape).to(flat.dtype), tensor.error, out=flat)
+        tensor.error.zero_()
+
+    def probe_(self, name: str, averaged: Tensor, step: Optional[int] = None) -> int:
+        """Choose the rank of ``name`` from its averaged gradient at a probe step.
+
+        Identical on every rank (the average is), with no communication: the
+        rank keeping ``auto.energy`` of ``||averaged||^2``, and factors
+        started from ``averaged``'s best approximation of that rank (see
+        :mod:`.autorank`). Returns the rank.
+
+        Args:
+            name: a compressed tensor.
+            averaged: its averaged gradient at the probe (n * m elements).
+            step: the probe's step (default: the current step count), which
+                seeds the randomized range finder.
+        """
+        step = self.step_count if step is None else step
+        tensor, auto = self.tensors[name], self.auto
+        lay = tensor.layout
+        matrix = averaged.reshape(lay.n, lay.m).to(lay.dtype)
+        limit = rank_limit(lay.n, lay.m, self.min_compression_rate)
+        top = min(auto.max_rank, limit)
+        seed = (self.seed * 1_000_003 + step * 7919
+                + list(self.tensors).index(name)) % (2 ** 63)
+        curve = energy_curve(matrix, top, oversample=auto.oversample, seed=seed)
+        rank = choose_rank(curve, auto.energy, min(auto.min_rank, top), top)
+        self.kept_energy[name] = float(curve[rank - 1]) if len(curve) else 1.0
+        p, q = spectral_factors(matrix, rank, oversample=auto.oversample, seed=seed)
+        if rank != lay.r:
+            self.layouts[name] = lay = dataclasses.replace(lay, r=rank)
+            self.layout_version += 1
+        tensor.resize_(lay, p, q)
+        return rank
+
+    def end_probe(self, step: Optional[int] = None) -> None:
+        """Record the ranks a probe step chose (call once all tensors are probed).
+
+        Args:
+            step: the probe's step (default: the current step count).
+        """
+        step = self.step_count if step is None else step
+        self.rank_history.append((step, self.ranks()))
+        logger.info("hvd_acp: step %d: ranks chosen per tensor (auto): %s; %d elements per "
+                    "compressed step at most, S-SGD sends %d", step,
+                    describe_ranks(self.ranks()), self.compressed_elements(),
+                    sum(lay.numel for lay in self.layouts.values()))
+
+    def compressed_elements(self) -> int:
+        """Elements one rank sends in a compressed step (the larger of P and Q)."""
+        return max(self.wire_elements(Phase.P), self.wire_elements(Phase.Q))
 
     @property
     def errors(self) -> Dict[str, Tensor]:
@@ -278,7 +382,9 @@ class CompressionState:
     # ------------------------------------------------------------- checking
     def settings(self) -> Dict[str, float]:
         """The settings every rank must share, by name."""
-        return {"matrix_rank": self.matrix_rank,
+        auto = self.auto.settings() if self.auto is not None else {}
+        return {"matrix_rank": self._initial_rank, "auto_rank": int(self.auto is not None),
+                **{f"auto_{key}": auto.get(key, 0) for key in AutoRank.__dataclass_fields__},
                 "min_compression_rate": self.min_compression_rate,
                 "warmup_steps": self.warmup_steps, "seed": self.seed}
 
@@ -308,7 +414,9 @@ class CompressionState:
             "step_count": self.step_count,
             "phase": self.phase.value,
             "warmup_steps": self.warmup_steps,
-            "matrix_rank": self.matrix_rank,
+            "matrix_rank": self.matrix_rank if self.auto is None else "auto",
+            "auto_rank": None if self.auto is None else self.auto.settings(),
+            "ranks": self.ranks(),
             "world_size": world_size,
             "rank": rank,
             "params": params,
@@ -348,7 +456,7 @@ class CompressionState:
                         "rank %s starts its own from zero (a residual is one rank's unsent "
                         "gradient)", saved_rank, rank)
         for name in self.tensors:
-            self.tensors[name].load_(saved[name], keep_error)
+            self._load_entry(name, saved[name], keep_error)
         self._pending = None if complete else {
             name: {k: v for k, v in entry.items() if keep_error or k != "error"}
             for name, entry in saved.items() if name not in self.layouts}
@@ -379,16 +487,38 @@ class CompressionState:
         if entry is None:
             raise ValueError(f"hvd_acp state has no entry for the compressed parameter "
                              f"{name!r} (a checkpoint of another model?)")
-        for key, target in (("P", tensor.p), ("Q", tensor.q), ("error", tensor.error)):
-            if key in entry and tuple(entry[key].shape) != tuple(target.shape):
+        lay = tensor.layout
+        if self.auto is not None and "P" in entry and "Q" in entry:
+            # Under auto the rank is the saved one, within what may be compressed.
+            rank = entry["P"].shape[-1]
+            limit = min(self.auto.max_rank, rank_limit(lay.n, lay.m, self.min_compression_rate))
+            if (tuple(entry["P"].shape) != (lay.n, rank)
+                    or tuple(entry["Q"].shape) != (lay.m, rank) or not 1 <= rank <= limit):
+                raise ValueError(
+                    f"hvd_acp state for {name!r}: factors of shapes {tuple(entry['P'].shape)} "
+                    f"and {tuple(entry['Q'].shape)} do not fit a ({lay.n}, {lay.m}) matrix "
+                    f"at a rank in [1, {limit}] (a checkpoint of another model?)")
+            expected = {"P": (lay.n, rank), "Q": (lay.m, rank), "error": (lay.n, lay.m)}
+        else:
+            expected = {"P": tuple(tensor.p.shape), "Q": tuple(tensor.q.shape),
+                        "error": tuple(tensor.error.shape)}
+        for key, shape in expected.items():
+            if key in entry and tuple(entry[key].shape) != shape:
                 raise ValueError(
                     f"hvd_acp state for {name!r}: {key} has shape {tuple(entry[key].shape)}, "
-                    f"expected {tuple(target.shape)} (different matrix_rank or model?)")
+                    f"expected {shape} (different matrix_rank or model?)")
 
     def _load_entry(self, name: str, entry: Optional[dict], keep_error: bool) -> None:
         self._check_entry(name, entry)
-        if entry is not None:
-            self.tensors[name].load_(entry, keep_error)
+        if entry is None:
+            return
+        tensor = self.tensors[name]
+        rank = entry["P"].shape[-1]
+        if self.auto is not None and rank != tensor.layout.r:
+            self.layouts[name] = lay = dataclasses.replace(tensor.layout, r=rank)
+            self.layout_version += 1
+            tensor.resize_(lay, entry["P"].clone(), entry["Q"].clone())
+        tensor.load_(entry, keep_error)
 
     def check_loaded(self) -> None:
         """Once every parameter has been added: raise if a loaded entry found none."""
@@ -401,6 +531,15 @@ class CompressionState:
         """Set every residual to zero."""
         for tensor in self.tensors.values():
             tensor.repair_()
+
+
+def describe_ranks(ranks: Dict[str, int]) -> str:
+    """``"12 tensors, rank 2-32 (median 8)"``, or ``"none"``."""
+    if not ranks:
+        return "none"
+    values = sorted(ranks.values())
+    return (f"{len(values)} tensors, rank {values[0]}-{values[-1]} "
+            f"(median {values[len(values) // 2]})")
 
 
 def nonfinite_names(slots: Iterable[Tuple[str, Tensor]]) -> List[str]:
