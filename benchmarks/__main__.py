@@ -17,7 +17,7 @@ from typing import List, Optional
 
 from hvd_acp.methods import KEYS
 from hvd_acp.plan.models import DEFAULT_BATCH_SIZE, MODELS, default_matrix_rank
-from hvd_acp.plan.units import number_type, parse_bandwidth, positive_int
+from hvd_acp.plan.units import matrix_rank_type, number_type, parse_bandwidth, positive_int
 
 from .netem import NetworkSetupError, check_can_emulate
 from .stats import parse_methods
@@ -48,8 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=positive_int, default=None,
                         help="per rank (default: " + ", ".join(
                             f"{m} {b}" for m, b in DEFAULT_BATCH_SIZE.items()) + ")")
-    parser.add_argument("--matrix-rank", type=positive_int, default=None,
-                        help="factor rank (default: 4 for resnet50 and small, 32 for bert-base)")
+    parser.add_argument("--matrix-rank", type=matrix_rank_type, default=None,
+                        help="factor rank, or 'auto' for a rank per tensor (default: 4 for "
+                             "resnet50 and small, 32 for bert-base)")
     parser.add_argument("--rounds", type=positive_int, default=DEFAULT_ROUNDS,
                         help="run every job (floor, methods, diagnostics) once per round, in "
                              "an order rotated from round to round; ratios are paired inside "

@@ -27,6 +27,7 @@ from hvd_acp.counting import powersgd_ddp_bytes_per_step
 from hvd_acp.methods import HOROVOD, TORCHRUN, Distributed, Method
 from hvd_acp.methods import get as get_method
 from hvd_acp.plan.models import build_model
+from hvd_acp.plan.units import matrix_rank_type
 
 from .jobs import JOBS, LOCAL, Job
 from .jobs import get as get_job
@@ -49,7 +50,7 @@ def _parse(argv: List[str]) -> argparse.Namespace:
                         help="the job (benchmarks.jobs)")
     parser.add_argument("--model", required=True)
     parser.add_argument("--batch-size", type=int, required=True)
-    parser.add_argument("--matrix-rank", type=int, required=True)
+    parser.add_argument("--matrix-rank", type=matrix_rank_type, required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--warmup", type=int, required=True)
     parser.add_argument("--image-size", type=int, default=128)
@@ -245,6 +246,11 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     for key, get in counters.items():
         result[key] = get() - start[key]
     result["steps"] = args.steps
+    chooser = None if job.method is None else (
+        getattr(built.optimizer, "chosen_ranks", None) or getattr(built.state, "chosen_ranks",
+                                                                  None))
+    if chooser is not None:
+        result["chosen_ranks"] = chooser()
     if args.count_ops:
         result["ops_per_step"] = count_operator_calls(spec, optimizer)
     if job.probe:

@@ -89,7 +89,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default: str = None,
                         required: bool = False, what: str = "") -> None:
     """``--model``, ``--batch-size``, ``--matrix-rank``, ``--image-size`` and
     ``--seq-len``, as the planner and the A/B tool take them."""
-    from .units import positive_int
+    from .units import matrix_rank_type, positive_int
 
     def model_name(text: str) -> str:
         try:
@@ -107,8 +107,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default: str = None,
                         help="per rank (default: " + ", ".join(
                             f"{m} {b}" for m, b in DEFAULT_BATCH_SIZE.items())
                         + f", your model {DEFAULT_USER_BATCH_SIZE})")
-    parser.add_argument("--matrix-rank", type=positive_int, default=None,
-                        help="factor rank (default: 32 for bert-base, 4 otherwise)")
+    parser.add_argument("--matrix-rank", type=matrix_rank_type, default=None,
+                        help="factor rank, or 'auto' for a rank per tensor (default: 32 for "
+                             "bert-base, 4 otherwise)")
     parser.add_argument("--image-size", type=positive_int, default=128,
                         help="resnet50's input height and width (default 128)")
     parser.add_argument("--seq-len", type=positive_int, default=64,

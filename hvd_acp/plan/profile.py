@@ -32,9 +32,10 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from ..autorank import parse_matrix_rank
 from ..compression import Phase, compute_dtype, orthonormalize_
 from ..fusion import make_layouts, plan_buckets
-from ..state import CompressedTensor
+from ..state import CompressedTensor, CompressionState
 from .models import to_device
 
 logger = logging.getLogger(__name__)
@@ -162,6 +163,18 @@ def _bucket_dicts(buckets) -> List[dict]:
             for b in buckets]
 
 
+def _auto_layouts(named, auto, min_compression_rate: float) -> list:
+    """Layouts with the ranks ``matrix_rank="auto"`` chooses from the gradients
+    of the last profiled step (one process: its gradient is the average)."""
+    state = CompressionState(matrix_rank=auto, min_compression_rate=min_compression_rate,
+                             warmup_steps=0, seed=0)
+    for name, param in named:
+        state.add(name, param.shape, param.dtype, torch.device("cpu"))
+        if name in state.tensors and param.grad is not None:
+            state.probe_(name, param.grad.detach().cpu())
+    return [state.layouts[name] for name, _ in named]
+
+
 def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_rank: int = 4,
                   device: Optional[str] = None, optimizer: Optional[torch.optim.Optimizer] = None,
                   steps: int = 3, warmup: int = 1, repeats: int = 3,
@@ -173,7 +186,10 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
         model: the module (moved to ``device``; trained for a few steps).
         example_batch: a tensor, tuple or dict of tensors (moved to ``device``).
         loss_fn: ``loss_fn(model, batch)`` returns the scalar loss.
-        matrix_rank: rank r of the factors.
+        matrix_rank: rank r of the factors; ``"auto"`` (or an
+            :class:`~hvd_acp.AutoRank`): the ranks its probe chooses from the
+            last profiled step's gradients (torch's ``powerSGD_hook``, which
+            takes one rank, is profiled at ``max_rank``).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default: the model's.
         optimizer: the optimizer whose update is timed; default
             ``SGD(lr=1e-3, momentum=0.9)``.
@@ -185,7 +201,8 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
     Returns:
         The profile, a JSON-serializable dict.
     """
-    for arg, value in (("matrix_rank", matrix_rank), ("steps", steps), ("repeats", repeats)):
+    fixed_rank, auto = parse_matrix_rank(matrix_rank)
+    for arg, value in (("steps", steps), ("repeats", repeats)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{arg} must be a positive int, got {value!r}")
     if not isinstance(warmup, int) or warmup < 0:
@@ -239,10 +256,12 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
     finally:
         for h in handles:
             h.remove()
+    if auto is None:
+        layouts = make_layouts([(n, tuple(p.shape), p.dtype) for n, p in named], fixed_rank,
+                               min_compression_rate, payload_dtype=compute_dtype)
+    else:
+        layouts = _auto_layouts(named, auto, min_compression_rate)
     optimizer.zero_grad(set_to_none=True)
-
-    layouts = make_layouts([(n, tuple(p.shape), p.dtype) for n, p in named], matrix_rank,
-                           min_compression_rate, payload_dtype=compute_dtype)
     gen = torch.Generator().manual_seed(0)
     params = []
     p_factors, q_factors = [], []
@@ -257,7 +276,7 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
             entry.update(_time_compression(tensor, dev, repeats, gen))
             p_factors.append(tensor.p)
             q_factors.append(tensor.q)
-        r_ddp = max(0, min(lay.n, lay.m, matrix_rank))
+        r_ddp = max(0, min(lay.n, lay.m, fixed_rank))
         ddp_compressed = len(lay.shape) >= 2 and r_ddp > 0 and _ddp_should_compress(
             lay.n, lay.m, r_ddp, min_compression_rate)
         entry.update(ddp_compressed=ddp_compressed,
@@ -287,7 +306,8 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
                         else platform.processor() or platform.machine()),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "matrix_rank": matrix_rank,
+        "matrix_rank": matrix_rank if auto is None else "auto",
+        "chosen_ranks": {lay.name: lay.r for lay in layouts if lay.compressed},
         "fusion_threshold_bytes": fusion_threshold_bytes,
         "min_compression_rate": min_compression_rate,
         "steps": steps, "warmup": warmup, "repeats": repeats,

@@ -8,7 +8,7 @@ import re
 from typing import Any, Callable, List, Optional
 
 __all__ = ["parse_bandwidth", "parse_bandwidth_list", "parse_int_list", "number_type",
-           "positive_int"]
+           "positive_int", "matrix_rank_type"]
 
 _UNITS = {"bit": 1e-6, "kbit": 1e-3, "mbit": 1.0, "gbit": 1e3, "tbit": 1e6}
 _BANDWIDTH = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?bit)\s*$",
@@ -88,3 +88,15 @@ def number_type(convert: Callable[[str], Any], ok: Callable[[Any], bool], what: 
 
 #: An argparse ``type=`` for a positive int.
 positive_int = number_type(int, lambda v: v >= 1, "a positive int")
+
+
+def matrix_rank_type(text: str):
+    """An argparse ``type=`` for ``--matrix-rank``: a positive int, or ``auto``
+    (a rank per tensor, see :mod:`hvd_acp.autorank`)."""
+    if text == "auto":
+        return text
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be a positive int or 'auto', got {text!r}") \
+            from None
