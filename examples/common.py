@@ -42,11 +42,22 @@ def add_common_args(parser: argparse.ArgumentParser, *, matrix_rank: int, epochs
                       batch_size=batch_size)
 
 
+def matrix_rank_arg(text: str):
+    """``--matrix-rank``: an int, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int or 'auto', got {text!r}") from None
+
+
 def add_training_args(parser: argparse.ArgumentParser, *, matrix_rank: int, epochs: int,
                       lr: float, batch_size: int) -> None:
     """The flags of every example but the choice of optimizer (or DDP hook)."""
-    parser.add_argument("--matrix-rank", type=int, default=matrix_rank,
-                        help="rank of the low-rank factors (default: %(default)s)")
+    parser.add_argument("--matrix-rank", type=matrix_rank_arg, default=matrix_rank,
+                        help="rank of the low-rank factors, or 'auto' for a rank per tensor "
+                             "(default: %(default)s)")
     parser.add_argument("--warmup-steps", type=int, default=0,
                         help="steps of exact averaging before compression starts "
                              "(default: %(default)s)")
@@ -322,3 +333,36 @@ class DigitsCNN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: shape (batch, 1, 8, 8); returns logits of shape (batch, 10)."""
         return self.classifier(self.features(x))
+
+
+class _Residual(nn.Module):
+    """conv-BN-ReLU-conv-BN plus the input, then ReLU (a ResNet basic block)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels),
+            nn.ReLU(), nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+            nn.BatchNorm2d(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.body(x))
+
+
+class DigitsResNet(nn.Module):
+    """A small BatchNorm ResNet for 8x8 grey images: a stem, two basic blocks
+    at 32 channels, a strided convolution to 64, two blocks at 64, global
+    average pooling and a linear head (``--arch resnet`` of examples/train.py)."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(1, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
+            _Residual(32), _Residual(32),
+            nn.Conv2d(32, 64, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(64),
+            nn.ReLU(), _Residual(64), _Residual(64),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: shape (batch, 1, 8, 8); returns logits of shape (batch, 10)."""
+        return self.net(x)

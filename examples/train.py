@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
-from common import (ByteMeter, DigitsCNN, add_common_args, allreduce_sums,
+from common import (ByteMeter, DigitsCNN, DigitsResNet, add_common_args, allreduce_sums,
                     distributed_optimizer, finish_run, load_digits_split,
                     write_diagnostics)
 
@@ -34,6 +34,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_common_args(parser, matrix_rank=4, epochs=12, lr=0.025, batch_size=32)
+    parser.add_argument("--arch", choices=("cnn", "resnet"), default="cnn",
+                        help="cnn: two convolutions and two linear layers; resnet: a small "
+                             "BatchNorm ResNet (default: %(default)s)")
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     parser.add_argument("--nesterov", action="store_true", help="Nesterov momentum")
     parser.add_argument("--diagnostics", metavar="PATH",
@@ -75,7 +78,7 @@ def main(argv=None) -> dict:
                                  shuffle=True, seed=args.seed)
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
 
-    model = DigitsCNN()
+    model = DigitsResNet() if args.arch == "resnet" else DigitsCNN()
     lr = args.lr * hvd.size()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
                                 nesterov=args.nesterov, weight_decay=args.weight_decay)

@@ -7,9 +7,11 @@ the spread changes as training goes on (a transformer's gradients are
 nearly rank one at initialization and spread out over the first hundreds of
 steps). With :class:`AutoRank` hvd_acp measures it instead.
 
-At *probe steps* (the first step after warm-up, then after 25, 50, 100,
-200, 400, ... steps, every ``max_interval`` steps at most) the step is
-exact: every rank sends its gradient plus its residual ``M + E`` in full
+Until the first probe every compressed tensor has rank ``max_rank`` (the
+budget): a gradient at initialization says little about training (a
+transformer's is nearly rank one there). At *probe steps* (``first_interval``
+steps after warm-up, then 50, 100, 200, 400, ... steps later, every
+``max_interval`` steps at most) the step is exact: every rank sends its gradient plus its residual ``M + E`` in full
 and the residual restarts from zero. The averaged gradient is then identical
 on every rank, so every rank computes the same thing from it, without
 further communication:
@@ -90,15 +92,16 @@ class AutoRank:
     # ------------------------------------------------------------ schedule
     def is_probe(self, since_warmup: int) -> bool:
         """Whether the step ``since_warmup`` steps after warm-up is a probe."""
-        return since_warmup >= 0 and self.last_probe(since_warmup) == since_warmup
+        return since_warmup > 0 and self.last_probe(since_warmup) == since_warmup
 
     def last_probe(self, since_warmup: int) -> int:
-        """The latest probe at or before step ``since_warmup`` (counted from warm-up's end)."""
+        """The latest probe at or before step ``since_warmup`` (counted from
+        warm-up's end), or -1 before the first one."""
         probe, gap = 0, self.first_interval
         while probe + gap <= since_warmup:
             probe += gap
             gap = min(2 * gap, self.max_interval)
-        return probe
+        return probe if probe > 0 else -1
 
     def settings(self) -> Dict[str, float]:
         return dataclasses.asdict(self)

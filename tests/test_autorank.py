@@ -60,9 +60,9 @@ def test_spectral_factors_give_the_best_approximation():
 def test_the_probe_schedule_doubles_up_to_the_maximum():
     auto = AutoRank(first_interval=25, max_interval=400)
     probes = [s for s in range(3000) if auto.is_probe(s)]
-    assert probes[:9] == [0, 25, 75, 175, 375, 775, 1175, 1575, 1975]
-    assert not auto.is_probe(-1)
-    assert auto.last_probe(100) == 75 and auto.last_probe(75) == 75
+    assert probes[:9] == [25, 75, 175, 375, 775, 1175, 1575, 1975, 2375]
+    assert not auto.is_probe(-1) and not auto.is_probe(0)
+    assert auto.last_probe(100) == 75 and auto.last_probe(75) == 75 and auto.last_probe(3) == -1
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -102,8 +102,8 @@ def test_phases_under_auto_rank_restart_after_each_probe():
     for step in range(12):
         state.step_count = step
         phases.append(("probe" if state.probing else "") + state.phase.value)
-    # warm-up 1, probes at warm-up + 0, 2, 6, 10
-    assert phases == ["dense", "probedense", "P", "probedense", "P", "Q", "P",
+    # warm-up 1, probes at warm-up + 2, 6, 10
+    assert phases == ["dense", "P", "Q", "probedense", "P", "Q", "P",
                       "probedense", "P", "Q", "P", "probedense"]
     assert list(state.tensors) == ["w"]                 # 1-D and too small: never compressed
 
@@ -189,20 +189,20 @@ def train(matrix_rank, steps=14, **kwargs):
 def test_the_optimizer_probes_chooses_and_reports_ranks():
     auto = AutoRank(first_interval=4, max_interval=4, energy=0.7)
     model, opt, phases, sent = train(auto, diagnostics=True)
-    assert phases[:6] == [Phase.DENSE, Phase.P, Phase.Q, Phase.P, Phase.DENSE, Phase.P]
+    assert phases[:7] == [Phase.P, Phase.Q, Phase.P, Phase.Q, Phase.DENSE, Phase.P, Phase.Q]
     ranks = opt.chosen_ranks()
     # The largest ranks that still compress (min_compression_rate 2): 10, 16, 3.
     limits = {"0.weight": 10, "2.weight": 16, "4.weight": 3}
     assert set(ranks) == set(limits)
     assert all(1 <= ranks[name] <= limit for name, limit in limits.items())
     probes = [r for r in opt.reducer.diagnostics if r["phase"] == "probe"]
-    assert [p["step"] for p in probes] == [0, 4, 8, 12]
+    assert [p["step"] for p in probes] == [4, 8, 12]
     assert probes[-1]["ranks"] == ranks
     assert all(k >= 0.7 or ranks[name] == limits[name]
                for name, k in probes[-1]["kept_energy"].items())
     # A compressed step sends the chosen ranks' factors, and the probe everything.
     dense = sum(p.numel() * 4 for p in model.parameters())
-    assert sent[0] == sent[4] == dense
+    assert sent[4] == sent[8] == dense
     p_elements = sum(p.numel() for n, p in model.named_parameters() if n not in ranks) + sum(
         dict(model.named_parameters())[n].shape[0] * r for n, r in ranks.items())
     assert sent[13] == 4 * p_elements
@@ -231,5 +231,5 @@ def test_powersgd_takes_auto_rank_too():
         model(torch.randn(16, 32)).pow(2).mean().backward()
         phases.append(opt.phase)
         opt.step()
-    assert phases == [Phase.DENSE, Phase.P, Phase.P, Phase.DENSE, Phase.P]
+    assert phases == [Phase.P, Phase.P, Phase.P, Phase.DENSE, Phase.P]
     assert set(opt.chosen_ranks()) == {"0.weight", "2.weight"}

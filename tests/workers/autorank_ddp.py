@@ -58,7 +58,7 @@ def main():
     module, model, opt, state = build()
     probes = []
     train(model, opt, state, 0, 12, probes)
-    assert [s for s, _ in probes] == [0, 2, 6, 10], probes
+    assert [s for s, _ in probes] == [2, 6, 10], probes
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes()
                                      for p in module.parameters())).hexdigest()
     for what, value in (("probes", probes), ("weights", digest)):
