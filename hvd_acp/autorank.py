@@ -45,7 +45,7 @@ from torch import Tensor
 __all__ = ["AutoRank", "energy_curve", "choose_rank", "spectral_factors", "parse_matrix_rank"]
 
 #: Default share of each probed gradient's energy that its factors keep.
-DEFAULT_ENERGY = 0.8
+DEFAULT_ENERGY = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +62,9 @@ class AutoRank:
             interval doubles after each probe ...
         max_interval: ... up to this many steps.
         oversample: extra columns of the randomized range finder.
+        pay_residual: a probe step sends each rank's residual along with its
+            gradient (``M + E``) and restarts the residual from zero; False
+            sends ``M`` alone and keeps ``E`` for the compressed steps.
     """
 
     energy: float = DEFAULT_ENERGY
@@ -70,6 +73,7 @@ class AutoRank:
     first_interval: int = 25
     max_interval: int = 400
     oversample: int = 8
+    pay_residual: bool = True
 
     def __post_init__(self) -> None:
         if (not isinstance(self.energy, numbers.Real) or isinstance(self.energy, bool)
@@ -85,6 +89,8 @@ class AutoRank:
         if self.max_interval < self.first_interval:
             raise ValueError(f"AutoRank max_interval ({self.max_interval}) is below "
                              f"first_interval ({self.first_interval})")
+        if not isinstance(self.pay_residual, bool):
+            raise ValueError(f"AutoRank pay_residual must be a bool, got {self.pay_residual!r}")
         if not isinstance(self.oversample, numbers.Integral) or self.oversample < 0:
             raise ValueError(f"AutoRank oversample must be an int >= 0, got "
                              f"{self.oversample!r}")

@@ -283,10 +283,17 @@ class CompressionState:
         return {name: t.layout.r for name, t in self.tensors.items()}
 
     def probe_payload_(self, name: str, grad: Optional[Tensor], out: Tensor) -> None:
-        """A probe step's payload of a compressed tensor: ``M + E`` into ``out``
-        (any shape of n * m elements); the residual restarts from zero."""
+        """A probe step's payload of a compressed tensor into ``out`` (any shape
+        of n * m elements): ``M + E``, the residual restarting from zero (or
+        ``M`` alone, the residual kept, without ``AutoRank.pay_residual``)."""
         tensor = self.tensors[name]
         flat = out.view(tensor.layout.n, tensor.layout.m)
+        if not self.auto.pay_residual:
+            if grad is None:
+                flat.zero_()
+            else:
+                flat.copy_(grad.reshape(flat.shape))
+            return
         if grad is None:
             flat.copy_(tensor.error)
         else:

@@ -54,7 +54,13 @@ def run(args, label, flags):
     rc = compare.launch(cmd, summary.with_suffix(".log"), args.timeout)
     if rc != 0 or not diag.exists():
         raise SystemExit(f"[diagnose] run failed (exit {rc}); see {summary.with_suffix('.log')}")
-    return json.loads(diag.read_text())["steps"], json.loads(summary.read_text())
+    return step_records(diag), json.loads(summary.read_text())
+
+
+def step_records(path: Path) -> list:
+    """The per-step records of a diagnostics file (auto rank's probe records,
+    which carry ranks instead of norms, left out)."""
+    return [s for s in json.loads(path.read_text())["steps"] if s.get("phase") != "probe"]
 
 
 def describe(label, steps, summary):
@@ -106,7 +112,7 @@ def main(argv=None):
     for label, flags in RUNS:
         stem = args.results / ("noahead" if flags else "default")
         if args.plot_only:
-            steps = json.loads(stem.with_suffix(".diagnostics.json").read_text())["steps"]
+            steps = step_records(stem.with_suffix(".diagnostics.json"))
             summary = json.loads(stem.with_suffix(".json").read_text())
         else:
             steps, summary = run(args, label, flags)
