@@ -233,3 +233,21 @@ def test_powersgd_takes_auto_rank_too():
         opt.step()
     assert phases == [Phase.P, Phase.P, Phase.P, Phase.DENSE, Phase.P]
     assert set(opt.chosen_ranks()) == {"0.weight", "2.weight"}
+
+
+def test_the_planner_profile_uses_the_ranks_auto_chooses():
+    from hvd_acp.plan.profile import profile_model
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 96), nn.Tanh(), nn.Linear(96, 10))
+    x, y = torch.randn(32, 48), torch.randint(0, 10, (32,))
+    loss = lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1])   # noqa: E731
+    auto = profile_model(model, (x, y), loss, matrix_rank="auto", steps=1, repeats=1)
+    fixed = profile_model(model, (x, y), loss, matrix_rank=4, steps=1, repeats=1)
+    assert auto["matrix_rank"] == "auto" and fixed["matrix_rank"] == 4
+    assert fixed["chosen_ranks"] == {"0.weight": 4, "2.weight": 4}
+    ranks = {e["name"]: e["r"] for e in auto["params"] if e["compressed"]}
+    assert ranks == auto["chosen_ranks"] and set(ranks) == {"0.weight", "2.weight"}
+    # Within the largest ranks that still compress: 16 for (96, 48), 4 for (10, 96).
+    assert 1 <= ranks["0.weight"] <= 16 and 1 <= ranks["2.weight"] <= 4
+    with pytest.raises(ValueError, match="matrix_rank must be a positive int"):
+        profile_model(model, (x, y), loss, matrix_rank=0, steps=1, repeats=1)
