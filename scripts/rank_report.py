@@ -20,13 +20,13 @@ from pathlib import Path
 #: (prefix of the files, title, the metric, lower is better, S-SGD reference key)
 STUDIES = (
     ("ulm", "user LM, AdamW, 4 ranks, 400 steps: final validation loss", "val_loss", True,
-     "ssgd"),
+     "S-SGD"),
     ("ulm_sgd", "user LM, SGD (lr 0.3, momentum 0.9), 4 ranks, 400 steps: final validation "
-     "loss", "val_loss", True, "ssgd"),
-    ("cnn", "digits CNN, 8 ranks: final test accuracy (%)", "test_accuracy", False, "ssgd"),
+     "loss", "val_loss", True, "S-SGD"),
+    ("cnn", "digits CNN, 8 ranks: final test accuracy (%)", "test_accuracy", False, "S-SGD"),
     ("resnet", "digits BatchNorm ResNet, 8 ranks: final test accuracy (%)", "test_accuracy",
-     False, "ssgd"),
-    ("lm2", "examples/train_lm.py, 2 ranks: final validation loss", "val_loss", True, "ssgd"),
+     False, "S-SGD"),
+    ("lm2", "examples/train_lm.py, 2 ranks: final validation loss", "val_loss", True, "S-SGD"),
 )
 
 
@@ -52,7 +52,10 @@ def table(title: str, runs: dict, metric: str, lower: bool, reference: str) -> s
              "| setting | seeds | per seed | vs S-SGD per seed | mean vs S-SGD | "
              "bytes per step per rank |", "|---|---|---|---|---|---|"]
     ref = runs.get(reference, {})
-    for setting, by_seed in runs.items():
+    order = sorted(runs, key=lambda k: (k != reference, -statistics.mean(
+        bytes_per_step(summary) for summary in runs[k].values())))
+    for setting in order:
+        by_seed = runs[setting]
         seeds = sorted(by_seed)
         values = [by_seed[s][metric] for s in seeds]
         if metric == "val_loss":
