@@ -187,7 +187,7 @@ def _counters(job: Job, built: Distributed, result: Dict[str, Any],
         # torch's powerSGD_hook, counted at its all-reduces: the bytes its
         # rule gives from the shapes check the count.
         result["bytes_sent_per_step_analytic"] = powersgd_ddp_bytes_per_step(
-            built.model.module, args.matrix_rank)
+            built.model.module, built.state.matrix_approximation_rank)
         result["powersgd_start_iter"] = built.state.start_powerSGD_iter
     return {"bytes_sent": lambda: built.counters().bytes_sent,
             "allreduces": lambda: built.counters().allreduces,

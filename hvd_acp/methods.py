@@ -202,11 +202,12 @@ def _powersgd_ddp(batched: bool):
     """Factory of torch's ``powerSGD_hook`` with ``batch_tensors_with_same_shape=batched``."""
     def factory(model, optimizer, *, matrix_rank, warmup_steps, ddp_options, **options):
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-        if not isinstance(matrix_rank, int) or isinstance(matrix_rank, bool):
-            raise ValueError(f"torch's powerSGD_hook takes one int rank for every tensor, got "
-                             f"matrix_rank={matrix_rank!r}")
+        from .autorank import parse_matrix_rank
+        # torch's hook takes one rank for every tensor: under "auto" it runs at
+        # max_rank, the most bytes hvd_acp's auto rank ever sends.
+        rank, _ = parse_matrix_rank(matrix_rank)
         wrapped = _ddp(model, ddp_options)
-        settings = dict(process_group=None, matrix_approximation_rank=matrix_rank,
+        settings = dict(process_group=None, matrix_approximation_rank=rank,
                         start_powerSGD_iter=2 if warmup_steps is None else warmup_steps,
                         min_compression_rate=2, use_error_feedback=True, warm_start=True,
                         batch_tensors_with_same_shape=batched, random_seed=0)
