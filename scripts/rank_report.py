@@ -57,13 +57,15 @@ def table(title: str, runs: dict, metric: str, lower: bool, reference: str) -> s
     for setting in order:
         by_seed = runs[setting]
         seeds = sorted(by_seed)
-        values = [by_seed[s][metric] for s in seeds]
+        scale = 100.0 if metric == "test_accuracy" else 1.0      # a fraction, shown in %
+        values = [scale * by_seed[s][metric] for s in seeds]
         if metric == "val_loss":
             gaps = [100 * (v / ref[s][metric] - 1) if s in ref else None
                     for s, v in zip(seeds, values)]
             unit = "%"
         else:
-            gaps = [v - ref[s][metric] if s in ref else None for s, v in zip(seeds, values)]
+            gaps = [v - scale * ref[s][metric] if s in ref else None
+                    for s, v in zip(seeds, values)]
             unit = " pt"
         shown = [g for g in gaps if g is not None]
         mean = f"{statistics.mean(shown):+.2f}{unit}" if shown else "–"
