@@ -27,6 +27,7 @@ STUDIES = (
     ("resnet", "digits BatchNorm ResNet, 8 ranks: final test accuracy (%)", "test_accuracy",
      False, "S-SGD"),
     ("lm2", "examples/train_lm.py, 2 ranks: final validation loss", "val_loss", True, "S-SGD"),
+    ("lm4", "examples/train_lm.py, 4 ranks: final validation loss", "val_loss", True, "S-SGD"),
 )
 
 
