@@ -20,6 +20,11 @@ Per compressed parameter (a gradient viewed as an (n, m) matrix ``M``)::
 initial factors, commit, repair after a non-finite average, checkpoints and
 the settings every rank must share.
 
+Under ``matrix_rank="auto"`` (:mod:`.autorank`) the rank of each tensor
+changes at probe steps, at the same step on every rank: :meth:`CompressionState.probe_payload_`
+and :meth:`CompressionState.probe_` are the two halves of a probe, and
+``layout_version`` tells the front ends to re-plan their fused buffers.
+
 Checkpoints (:meth:`CompressionState.state_dict`) are keyed by parameter
 name. A residual ``E`` belongs to the rank that accumulated it: loaded on
 another rank it would be counted twice, so :meth:`load_state_dict` installs
