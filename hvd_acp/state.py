@@ -42,7 +42,7 @@ from torch import Tensor
 
 from .autorank import AutoRank, choose_rank, energy_curve, parse_matrix_rank, spectral_factors
 from .compression import (Phase, compress_, compute_dtype, init_factor, local_residual_,
-                          orthonormalize_, reconstruct_)
+                          orthonormalize_, phase_of, reconstruct_)
 from .fusion import TensorLayout, make_layouts, rank_limit
 
 logger = logging.getLogger(__name__)
@@ -228,9 +228,7 @@ class CompressionState:
         self._initial_rank, self.auto = parse_matrix_rank(matrix_rank)
         #: Bumped whenever a tensor's rank changes (fused-buffer plans depend on it).
         self.layout_version = 0
-        #: Under auto: (step, {name: rank}) of every probe so far, and the
-        #: share of each probed gradient's energy its rank keeps.
-        self.rank_history: List[Tuple[int, Dict[str, int]]] = []
+        #: Under auto: the share of each probed gradient's energy its rank keeps.
         self.kept_energy: Dict[str, float] = {}
         self.min_compression_rate = min_compression_rate
         self.warmup_steps = warmup_steps
@@ -266,15 +264,13 @@ class CompressionState:
         Under auto rank a probe step is DENSE too, and P, Q, ... start again
         after it (the first step after a probe uses the probe's Q).
         """
-        since = self.step_count - self.warmup_steps
-        if since < 0:
+        if self.auto is None:
+            return phase_of(self.step_count, self.warmup_steps)
+        if self.step_count < self.warmup_steps or self.probing:
             return Phase.DENSE
-        if self.auto is not None:
-            last = self.auto.last_probe(since)
-            if last == since:
-                return Phase.DENSE
-            since -= last + 1
-        return Phase.P if since % 2 == 0 else Phase.Q
+        # P, Q, ... counted from the step after the last probe (or from warm-up's end).
+        since = self.step_count - self.warmup_steps
+        return phase_of(since - self.auto.last_probe(since) - 1, 0)
 
     @property
     def probing(self) -> bool:
@@ -330,21 +326,27 @@ class CompressionState:
         curve = energy_curve(matrix, top, oversample=auto.oversample, seed=seed)
         rank = choose_rank(curve, auto.energy, min(auto.min_rank, top), top)
         self.kept_energy[name] = float(curve[rank - 1]) if len(curve) else 1.0
-        p, q = spectral_factors(matrix, rank, oversample=auto.oversample, seed=seed)
+        self._set_rank(name, rank, *spectral_factors(matrix, rank, oversample=auto.oversample,
+                                                     seed=seed))
+        return rank
+
+    def _set_rank(self, name: str, rank: int, p: Tensor, q: Tensor) -> None:
+        """Give ``name`` the rank ``rank`` and the factors ``p``, ``q`` (its
+        residual is kept); fused-buffer plans are re-made if the rank changed."""
+        tensor = self.tensors[name]
+        lay = tensor.layout
         if rank != lay.r:
             self.layouts[name] = lay = dataclasses.replace(lay, r=rank)
             self.layout_version += 1
         tensor.resize_(lay, p, q)
-        return rank
 
     def end_probe(self, step: Optional[int] = None) -> None:
-        """Record the ranks a probe step chose (call once all tensors are probed).
+        """Log the ranks a probe step chose (call once all tensors are probed).
 
         Args:
             step: the probe's step (default: the current step count).
         """
         step = self.step_count if step is None else step
-        self.rank_history.append((step, self.ranks()))
         logger.info("hvd_acp: step %d: ranks chosen per tensor (auto): %s; %d elements per "
                     "compressed step at most, S-SGD sends %d", step,
                     describe_ranks(self.ranks()), self.compressed_elements(),
@@ -527,9 +529,7 @@ class CompressionState:
         tensor = self.tensors[name]
         rank = entry["P"].shape[-1]
         if self.auto is not None and rank != tensor.layout.r:
-            self.layouts[name] = lay = dataclasses.replace(tensor.layout, r=rank)
-            self.layout_version += 1
-            tensor.resize_(lay, entry["P"].clone(), entry["Q"].clone())
+            self._set_rank(name, rank, entry["P"].clone(), entry["Q"].clone())
         tensor.load_(entry, keep_error)
 
     def check_loaded(self) -> None:
