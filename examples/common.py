@@ -25,6 +25,7 @@ from torch import nn
 
 from hvd_acp.methods import HOROVOD, REGISTRY
 from hvd_acp.methods import get as get_method
+from hvd_acp.plan.units import matrix_rank_type
 
 #: ``--optimizer`` choices: hvd_acp's registry of methods that run under
 #: horovodrun (``ssgd``, ``powersgd``, ``acp``).
@@ -42,20 +43,10 @@ def add_common_args(parser: argparse.ArgumentParser, *, matrix_rank: int, epochs
                       batch_size=batch_size)
 
 
-def matrix_rank_arg(text: str):
-    """``--matrix-rank``: an int, or ``auto``."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an int or 'auto', got {text!r}") from None
-
-
 def add_training_args(parser: argparse.ArgumentParser, *, matrix_rank: int, epochs: int,
                       lr: float, batch_size: int) -> None:
     """The flags of every example but the choice of optimizer (or DDP hook)."""
-    parser.add_argument("--matrix-rank", type=matrix_rank_arg, default=matrix_rank,
+    parser.add_argument("--matrix-rank", type=matrix_rank_type, default=matrix_rank,
                         help="rank of the low-rank factors, or 'auto' for a rank per tensor "
                              "(default: %(default)s)")
     parser.add_argument("--warmup-steps", type=int, default=0,

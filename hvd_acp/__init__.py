@@ -11,8 +11,8 @@ from .powersgd import PowerSGDOptimizer
 
 __version__ = "0.1.0"
 
-__all__ = ["DistributedOptimizer", "PowerSGDOptimizer", "AutoRank", "Phase", "CommStats", "Communicator",
-           "HorovodCommunicator", "LocalCommunicator", "__version__"]
+__all__ = ["DistributedOptimizer", "PowerSGDOptimizer", "AutoRank", "Phase", "CommStats",
+           "Communicator", "HorovodCommunicator", "LocalCommunicator", "__version__"]
 
 
 def __getattr__(name):

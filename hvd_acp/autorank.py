@@ -11,8 +11,9 @@ Until the first probe every compressed tensor has rank ``max_rank`` (the
 budget): a gradient at initialization says little about training (a
 transformer's is nearly rank one there). At *probe steps* (``first_interval``
 steps after warm-up, then 50, 100, 200, 400, ... steps later, every
-``max_interval`` steps at most) the step is exact: every rank sends its gradient plus its residual ``M + E`` in full
-and the residual restarts from zero. The averaged gradient is then identical
+``max_interval`` steps at most) the step is exact: every rank sends its
+gradient plus its residual ``M + E`` in full and the residual restarts from
+zero. The averaged gradient is then identical
 on every rank, so every rank computes the same thing from it, without
 further communication:
 

@@ -35,12 +35,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import hvd_acp
+from hvd_acp.plan.units import matrix_rank_type
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--optimizer", choices=("ssgd", "acp", "powersgd"), default="acp")
-    parser.add_argument("--matrix-rank", default=None,
+    parser.add_argument("--matrix-rank", type=matrix_rank_type, default=None,
                         help="an int, or 'auto'; default: the library's default")
     parser.add_argument("--auto-energy", type=float, default=None,
                         help="with --matrix-rank auto: AutoRank(energy=...)")
@@ -144,8 +145,7 @@ def main(argv=None) -> dict:
     named = model.named_parameters()
     extra = {}
     if args.matrix_rank is not None:
-        extra["matrix_rank"] = (args.matrix_rank if args.matrix_rank == "auto"
-                                else int(args.matrix_rank))
+        extra["matrix_rank"] = args.matrix_rank
     auto = {key: value for key, value in (("energy", args.auto_energy),
                                           ("max_rank", args.auto_max_rank),
                                           ("pay_residual", False if args.auto_keep_residual
@@ -202,7 +202,8 @@ def main(argv=None) -> dict:
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     sent = (optimizer.comm_stats.bytes_sent if hasattr(optimizer, "comm_stats")
             else grad_bytes * args.steps)
-    summary = {"optimizer": args.optimizer, "optim": args.optim, "lr": args.lr, "matrix_rank": args.matrix_rank, "auto": auto,
+    summary = {"optimizer": args.optimizer, "optim": args.optim, "lr": args.lr,
+               "matrix_rank": args.matrix_rank, "auto": auto,
                "step_ahead": args.step_ahead, "seed": args.seed, "ranks": hvd.size(),
                "steps": args.steps, "val_loss": val_loss, "bytes_per_step": sent / args.steps,
                "ssgd_bytes_per_step": grad_bytes, "wall_s": wall}
