@@ -4,9 +4,8 @@
 
 One forward and backward pass of the model on the benchmark's synthetic batch
 (``hvd_acp.plan.models.build_model``, one process: its gradient is the
-average), then the probe of :class:`hvd_acp.state.CompressionState` on each
-compressed gradient, the same probe ``hvd-acp-plan profile --matrix-rank
-auto`` runs. Prints the elements one rank sends per P and Q step at rank 4,
+average), then the probe ``hvd-acp-plan profile --matrix-rank auto`` runs
+(:func:`hvd_acp.plan.profile.probed_state`). Prints the elements one rank sends per P and Q step at rank 4,
 rank 32 and auto, and writes the ranks and the energy each keeps as JSON.
 """
 from __future__ import annotations
@@ -18,7 +17,7 @@ import torch
 
 from hvd_acp.compression import Phase
 from hvd_acp.plan.models import DEFAULT_BATCH_SIZE, MODELS, build_model
-from hvd_acp.state import CompressionState
+from hvd_acp.plan.profile import probed_state
 
 
 def main(argv=None) -> dict:
@@ -33,12 +32,7 @@ def main(argv=None) -> dict:
     named = list(spec.model.named_parameters())
     result = {"model": args.model, "dense": sum(p.numel() for _, p in named)}
     for label, rank in (("rank4", 4), ("rank32", 32), ("auto", "auto")):
-        state = CompressionState(matrix_rank=rank, min_compression_rate=2.0, warmup_steps=0,
-                                 seed=0)
-        for name, param in named:
-            state.add(name, param.shape, param.dtype, torch.device("cpu"))
-            if rank == "auto" and name in state.tensors:
-                state.probe_(name, param.grad)
+        state = probed_state(named, rank)
         result[label] = {"elements_P": state.wire_elements(Phase.P),
                          "elements_Q": state.wire_elements(Phase.Q),
                          "ranks": state.ranks(), "kept": dict(state.kept_energy)}

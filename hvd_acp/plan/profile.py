@@ -163,16 +163,18 @@ def _bucket_dicts(buckets) -> List[dict]:
             for b in buckets]
 
 
-def _auto_layouts(named, auto, min_compression_rate: float) -> list:
-    """Layouts with the ranks ``matrix_rank="auto"`` chooses from the gradients
-    of the last profiled step (one process: its gradient is the average)."""
-    state = CompressionState(matrix_rank=auto, min_compression_rate=min_compression_rate,
+def probed_state(named, matrix_rank, min_compression_rate: float = 2.0) -> CompressionState:
+    """The compression state of the (name, parameter) pairs ``named`` at
+    ``matrix_rank``; under ``"auto"`` each compressed tensor probed on its
+    parameter's gradient now (one process: its gradient is the average), so
+    that its layout has the rank auto chooses from it."""
+    state = CompressionState(matrix_rank=matrix_rank, min_compression_rate=min_compression_rate,
                              warmup_steps=0, seed=0)
     for name, param in named:
         state.add(name, param.shape, param.dtype, torch.device("cpu"))
-        if name in state.tensors and param.grad is not None:
+        if state.auto is not None and name in state.tensors and param.grad is not None:
             state.probe_(name, param.grad.detach().cpu())
-    return [state.layouts[name] for name, _ in named]
+    return state
 
 
 def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_rank: int = 4,
@@ -260,7 +262,8 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
         layouts = make_layouts([(n, tuple(p.shape), p.dtype) for n, p in named], fixed_rank,
                                min_compression_rate, payload_dtype=compute_dtype)
     else:
-        layouts = _auto_layouts(named, auto, min_compression_rate)
+        state = probed_state(named, auto, min_compression_rate)
+        layouts = [state.layouts[name] for name, _ in named]
     optimizer.zero_grad(set_to_none=True)
     gen = torch.Generator().manual_seed(0)
     params = []
