@@ -17,7 +17,6 @@ Cases:
   ``broadcast_parameters`` and ``broadcast_optimizer_state``: every rank
   leaves with rank 0's ranks and factors, and the replicas stay identical.
 """
-import hashlib
 import json
 import os
 import sys
@@ -27,46 +26,30 @@ import torch
 import torch.nn.functional as F
 
 import hvd_acp
+from autorank_setup import AUTO, batch, digest, mlp
 
 torch.set_num_threads(1)
 
 TOTAL, SAVE_AT = 12, 5
-AUTO = hvd_acp.AutoRank(first_interval=2, max_interval=4, energy=0.7)
 
 
 def build():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(24, 64), torch.nn.Tanh(),
-                                torch.nn.Linear(64, 48), torch.nn.Tanh(),
-                                torch.nn.Linear(48, 6))
+    model = mlp()
     opt = hvd_acp.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
         named_parameters=model.named_parameters(), matrix_rank=AUTO)
     return model, opt
 
 
-def batch(step):
-    g = torch.Generator().manual_seed(100 * step + hvd.rank())
-    x = torch.randn(32, 24, generator=g)
-    return x, (x[:, :6] * (1 + step % 3)).argmax(dim=1)
-
-
 def train(model, opt, start, stop, probes=None):
     for step in range(start, stop):
-        x, y = batch(step)
+        x, y = batch(step, hvd.rank())
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         probing = opt.reducer.state.probing
         opt.step()
         if probes is not None and probing:
             probes.append((step, opt.chosen_ranks()))
-
-
-def digest(model):
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(p.detach().numpy().tobytes())
-    return h.hexdigest()
 
 
 def same_everywhere(value, what):

@@ -6,7 +6,6 @@ Each rank trains a small MLP on its own batches with
 and the replicas are bit-identical, and when a state saved by rank 0 and
 loaded on every rank brings the ranks back.
 """
-import hashlib
 import json
 
 import torch
@@ -14,19 +13,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import hvd_acp
 from hvd_acp.ddp import ACPState, acp_hook
+from autorank_setup import AUTO, batch, digest, mlp
 from worker_io import report
 
 torch.set_num_threads(1)
-AUTO = hvd_acp.AutoRank(first_interval=2, max_interval=4, energy=0.7)
 
 
 def build():
-    torch.manual_seed(0)
-    module = torch.nn.Sequential(torch.nn.Linear(24, 64), torch.nn.Tanh(),
-                                 torch.nn.Linear(64, 48), torch.nn.Tanh(),
-                                 torch.nn.Linear(48, 6))
+    module = mlp()
     model = DDP(module)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     state = ACPState(matrix_rank=AUTO, named_parameters=module.named_parameters(),
@@ -37,11 +32,10 @@ def build():
 
 def train(model, opt, state, start, stop, probes):
     for step in range(start, stop):
-        g = torch.Generator().manual_seed(100 * step + dist.get_rank())
-        x = torch.randn(32, 24, generator=g)
+        x, y = batch(step, dist.get_rank())
         opt.zero_grad()
         probing = state.compression.probing
-        F.cross_entropy(model(x), (x[:, :6] * (1 + step % 3)).argmax(dim=1)).backward()
+        F.cross_entropy(model(x), y).backward()
         opt.step()
         if probing:
             probes.append((step, state.chosen_ranks()))
@@ -59,9 +53,7 @@ def main():
     probes = []
     train(model, opt, state, 0, 12, probes)
     assert [s for s, _ in probes] == [2, 6, 10], probes
-    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes()
-                                     for p in module.parameters())).hexdigest()
-    for what, value in (("probes", probes), ("weights", digest)):
+    for what, value in (("probes", probes), ("weights", digest(module))):
         every = gathered(value)
         assert all(v == every[0] for v in every), f"{what} differs between ranks: {every}"
     saved = gathered(state.state_dict())[0]           # rank 0's state, on every rank
