@@ -11,6 +11,14 @@ the ratios are taken inside each round (paired, so the machine's drift
 cancels). Prints the median over rounds with the range of the rounds.
 The network part of a step is untouched by step-ahead (same bytes, same
 buffers, same launch points): this is the whole of its cost.
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/step_ahead_cost.py --model resnet50 --shift-only
+
+times the shift alone instead: after one training step (residuals and
+momentum in place), ``--steps`` times putting the shift on and taking it
+off again (``StepAhead.apply`` then ``restore``), per round, against the
+compute floor's median step of the same round: the share of the floor that
+step-ahead's own passes over the weights take.
 """
 from __future__ import annotations
 
@@ -32,6 +40,8 @@ def parse_args(argv=None):
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per setting per round")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--shift-only", action="store_true",
+                        help="time putting the shift on and off alone, against the floor")
     return parser.parse_args(argv)
 
 
@@ -60,10 +70,50 @@ def time_steps(spec, opt, steps, warmup):
     return statistics.median(times)
 
 
+def time_shift(spec, matrix_rank, repeats):
+    """Median seconds of one StepAhead.apply() + restore() after a training step."""
+    opt = make("acp, default", spec, matrix_rank)
+    opt.zero_grad()
+    spec.loss_fn(spec.model, spec.batch).backward()
+    opt.step()
+    shift = opt._step_ahead
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        shift.pending = True
+        shift.apply()
+        shift.restore()
+        times.append(time.perf_counter() - start)
+    opt.close()
+    return statistics.median(times)
+
+
+def main_shift(args, matrix_rank):
+    shares, costs = [], []
+    for rnd in range(args.rounds):
+        spec = build_model(args.model, args.batch_size)
+        floor = time_steps(spec, make("floor", spec, matrix_rank), args.steps, args.warmup)
+        cost = time_shift(build_model(args.model, args.batch_size), matrix_rank,
+                          max(args.steps, 5))
+        shares.append(cost / floor)
+        costs.append(cost)
+        print(f"round {rnd + 1}: floor {floor:.3f} s, shift on and off {cost * 1e3:.1f} ms "
+              f"({100 * cost / floor:.2f}% of the floor)", flush=True)
+    shares.sort()
+    print(f"{args.model}, batch {args.batch_size}, matrix rank {matrix_rank}, "
+          f"{args.rounds} rounds: step-ahead's shift on and off "
+          f"{statistics.median(costs) * 1e3:.1f} ms per step, median "
+          f"{100 * statistics.median(shares):.2f}% of the floor "
+          f"(rounds {100 * shares[0]:.2f}% - {100 * shares[-1]:.2f}%)")
+
+
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(1)
     matrix_rank = args.matrix_rank or default_matrix_rank(args.model)
+    if args.shift_only:
+        main_shift(args, matrix_rank)
+        return
     per_round = []
     for rnd in range(args.rounds):
         order = SETTINGS[rnd % 3:] + SETTINGS[:rnd % 3]

@@ -281,3 +281,77 @@ def test_shift_follows_a_rescaling_of_the_gradient_between_synchronize_and_step(
     shifts = [b - m.fc1.weight.detach() for b, m in zip(before, (model, twin))]
     assert shifts[0].abs().max() > 0
     assert_close(shifts[1], shifts[0])
+
+
+# ------------------------------------------------------------ how it is stored
+def _data_ptr(param):
+    return param.detach().data_ptr()
+
+
+def test_shift_swaps_buffers_and_copies_nothing_back():
+    """The shifted weights live in a second buffer: the parameter's storage
+    alternates between two buffers, and the true weights come back bit for bit."""
+    model = _net()
+    opt = _wrap(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    _train_step(model, opt, 0)
+    true_ptr = _data_ptr(model.fc1.weight)
+    true = model.fc1.weight.detach().clone()
+    model(_batch(1)).pow(2).mean().backward()
+    shifted_ptr = _data_ptr(model.fc1.weight)
+    assert shifted_ptr != true_ptr
+    assert not torch.equal(model.fc1.weight.detach(), true)
+    assert _data_ptr(model.fc2.weight) == _data_ptr(model.fc2.weight)   # not compressed
+    with opt.true_weights():
+        assert _data_ptr(model.fc1.weight) == true_ptr
+        assert torch.equal(model.fc1.weight.detach(), true)
+    assert _data_ptr(model.fc1.weight) == shifted_ptr
+    opt.synchronize()
+    grad = model.fc1.weight.grad.clone()
+    momentum = opt.state[model.fc1.weight].get("momentum_buffer").clone()
+    with opt.skip_synchronize():
+        opt.step()
+    # The update went to the true weights' own buffer, and the next shift
+    # reuses the other one: two buffers, no third.
+    assert _data_ptr(model.fc1.weight) == true_ptr
+    assert_close(model.fc1.weight.detach(), true - 0.1 * (0.9 * momentum + grad),
+                 rtol=0, atol=1e-15)
+    model(_batch(2))
+    assert _data_ptr(model.fc1.weight) == shifted_ptr
+
+
+def test_a_parameter_viewing_a_larger_storage_keeps_its_storage():
+    """A parameter that is a view into a flat buffer (cuDNN's RNN weights, a
+    sharded optimizer's bucket) is shifted in place and copied back: the flat
+    buffer sees the shift, and the true weights still come back bit for bit."""
+    model = _net()
+    weight = model.fc1.weight
+    flat = torch.zeros(weight.numel() + 10, dtype=weight.dtype)
+    flat[:weight.numel()].copy_(weight.detach().view(-1))
+    weight.data = flat[:weight.numel()].view(weight.shape)
+    opt = _wrap(model)
+    _train_step(model, opt, 0)
+    true = weight.detach().clone()
+    model(_batch(1)).pow(2).mean().backward()
+    assert weight.detach().data_ptr() == flat.data_ptr()
+    assert not torch.equal(flat[:weight.numel()].view(weight.shape), true)
+    with opt.true_weights():
+        assert torch.equal(flat[:weight.numel()].view(weight.shape), true)
+    opt.step()
+    assert weight.detach().data_ptr() == flat.data_ptr()
+
+
+def test_true_weights_between_forward_and_backward_keeps_the_gradient():
+    """Entering and leaving the context swaps buffers without a write, so
+    autograd's saved weights stay valid and the gradient is the shifted one's."""
+    reference, model = _net(), _net()
+    opts = [_wrap(m) for m in (reference, model)]
+    for m, o in zip((reference, model), opts):
+        _train_step(m, o, 0)
+    reference(_batch(1)).pow(2).mean().backward()
+    loss = model(_batch(1)).pow(2).mean()
+    with opts[1].true_weights():
+        model(_batch(2))                       # e.g. an evaluation in between
+    loss.backward()
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+        assert torch.equal(a.detach(), b.detach()), name
