@@ -37,6 +37,7 @@ __all__ = [
     "should_compress",
     "compute_dtype",
     "orthonormalize_",
+    "orthonormal_copies",
     "project_",
     "compress_",
     "local_residual_",
@@ -144,16 +145,30 @@ def orthonormalize_(matrices: Iterable[Tensor]) -> None:
             that ``M.T @ M == I`` (up to rounding) when ``M`` has full column
             rank. A zero matrix becomes a fixed orthonormal basis, never NaN.
     """
-    groups: Dict[tuple, List[Tensor]] = {}
-    for mat in matrices:
-        if mat.numel() == 0:
-            continue
-        groups.setdefault((tuple(mat.shape), mat.dtype, mat.device), []).append(mat)
-    for mats in groups.values():
-        stacked = torch.stack(mats)
-        q, _ = torch.linalg.qr(stacked, mode="reduced")
-        for mat, ortho in zip(mats, q):
+    matrices = list(matrices)
+    for mat, ortho in zip(matrices, orthonormal_copies(matrices)):
+        if ortho is not mat:
             mat.copy_(ortho)
+
+
+def orthonormal_copies(matrices: Iterable[Tensor]) -> List[Tensor]:
+    """Matrices with the orthonormalized columns of each of ``matrices``, in order.
+
+    The inputs are left alone. Matrices of the same shape, dtype and device
+    are stacked and factorized with one batched reduced QR call; each result
+    is a view of its batch's output (an empty matrix is returned as it is).
+    """
+    matrices = list(matrices)
+    result: List[Optional[Tensor]] = list(matrices)
+    groups: Dict[tuple, List[int]] = {}
+    for index, mat in enumerate(matrices):
+        if mat.numel():
+            groups.setdefault((tuple(mat.shape), mat.dtype, mat.device), []).append(index)
+    for indices in groups.values():
+        q, _ = torch.linalg.qr(torch.stack([matrices[i] for i in indices]), mode="reduced")
+        for index, ortho in zip(indices, q.unbind(0)):
+            result[index] = ortho
+    return result
 
 
 def project_(matrix: Tensor, basis: Tensor, out: Tensor) -> None:

@@ -56,7 +56,7 @@ class PowerSGDReducer(ACPReducer):
         if rnd.phase is Phase.DENSE:
             super()._complete(rnd)
             return
-        self.written_norm2, self.written_versions = 0.0, {}
+        self.written_factors, self.written_versions = [], {}
         for b_index in range(len(rnd.buckets)):
             self.comm.synchronize(rnd.handles[b_index])
         started = time.perf_counter()
@@ -77,8 +77,8 @@ class PowerSGDReducer(ACPReducer):
             self.compression_seconds += time.perf_counter() - started
             return
         orthonormalize_(tensors[name].p for name in compressed)           # Ph = orth(P)
-        buckets, buffers = self._plan(Phase.Q, tuple(compressed))
-        second = _Round(Phase.Q, buckets, buffers)
+        buckets, buffers, views = self._plan(Phase.Q, tuple(compressed))
+        second = _Round(Phase.Q, buckets, buffers, views)
         for name in compressed:
             # Q_i = A^T Ph, E = A - Ph Q_i^T: the ACP-SGD Q step on A.
             tensors[name].compress_(Phase.Q, None, tensors[name].p, self._slot_view(second, name))
@@ -96,7 +96,8 @@ class PowerSGDReducer(ACPReducer):
             matrix, direct = self._grad_target(lay, param)
             # G = Ph Q^T; Q is the warm start of the next step unless non-finite.
             tensor.apply_(Phase.Q, q, tensor.p, matrix, commit=name not in nonfinite)
-            self.written_norm2 += float(q.double().pow(2).sum())   # ||G|| = ||Q||
+            # ||G|| = ||Q||: the committed Q (see ACPReducer.applied_scale).
+            self.written_factors.append(tensor.q if name not in nonfinite else None)
             if not direct:
                 param.grad.copy_(matrix.view(param.grad.shape))
             self.written_versions[name] = param.grad._version

@@ -48,10 +48,13 @@ logger = logging.getLogger(__name__)
 class _Round:
     """Bookkeeping of one communication round (one optimizer step)."""
 
-    def __init__(self, phase: Phase, buckets: List[Bucket], buffers: List[Tensor]):
+    def __init__(self, phase: Phase, buckets: List[Bucket], buffers: List[Tensor],
+                 views: Dict[str, Tensor]):
         self.phase = phase
         self.buckets = buckets
         self.buffers = buffers
+        #: name -> its slot of a buffer, shaped (made once per plan).
+        self.views = views
         self.where: Dict[str, Tuple[int, int]] = {}
         for b_index, bucket in enumerate(buckets):
             for s_index, slot in enumerate(bucket.slots):
@@ -128,9 +131,11 @@ class ACPReducer:
         #: with Horovod's optimizer, no hook is registered and nothing is
         #: communicated; the wrapped optimizer steps on the local gradients.
         self.included = communicator.included()
-        #: Sum of ||G||^2 over the compressed gradients synchronize() wrote,
-        #: and each one's ``p.grad._version`` right after (see applied_scale).
-        self.written_norm2 = 0.0
+        #: The averaged factors of the compressed gradients synchronize() wrote
+        #: (||G|| = ||factor||, the basis being orthonormal; None for a
+        #: non-finite one), and each one's ``p.grad._version`` right after:
+        #: see applied_scale, which only reads the factors' norms if needed.
+        self.written_factors: List[Optional[Tensor]] = []
         self.written_versions: Dict[str, int] = {}
 
         devices = {p.device for p in self.params.values()}
@@ -155,6 +160,7 @@ class ACPReducer:
 
         self._plans: Dict[tuple, List[Bucket]] = {}
         self._buffers: Dict[tuple, List[Tensor]] = {}
+        self._views: Dict[tuple, Dict[str, Tensor]] = {}
         self._hooks: Dict[str, object] = {}
         self._passes: Dict[str, int] = {name: 0 for name in self.params}
         #: Without overlap: names whose last backward pass of the step has
@@ -283,13 +289,16 @@ class ACPReducer:
         """Phase whose plan the round's first all-reduce uses."""
         return self.phase
 
-    def _plan(self, phase: Phase, names: Tuple[str, ...]) -> Tuple[List[Bucket], List[Tensor]]:
-        """Buckets and their flat buffers for ``phase`` over ``names`` (cached)."""
+    def _plan(self, phase: Phase, names: Tuple[str, ...]
+              ) -> Tuple[List[Bucket], List[Tensor], Dict[str, Tensor]]:
+        """Buckets, their flat buffers and each slot's view, for ``phase`` over
+        ``names`` (cached: the views are made once, not per step)."""
         key = (phase, names, self.state.layout_version)
         if key not in self._plans:
             if len(self._plans) > 64:          # ranks changed many times: drop old plans
                 self._plans.clear()
                 self._buffers.clear()
+                self._views.clear()
             layouts = [self.layouts[n] for n in names]
             active = set(names)
             groups = ([[n for n in g if n in active] for g in self.groups]
@@ -299,7 +308,11 @@ class ACPReducer:
                 layouts, phase, self.fusion_threshold_bytes, groups, self.name_prefix)
             self._buffers[key] = [torch.empty(b.numel, dtype=b.dtype, device=self.device)
                                   for b in self._plans[key]]
-        return self._plans[key], self._buffers[key]
+            self._views[key] = {
+                slot.name: buffer[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                for bucket, buffer in zip(self._plans[key], self._buffers[key])
+                for slot in bucket.slots}
+        return self._plans[key], self._buffers[key], self._views[key]
 
     def _open_round(self) -> _Round:
         if self._round is None:
@@ -312,9 +325,7 @@ class ACPReducer:
         return self._round
 
     def _slot_view(self, rnd: _Round, name: str) -> Tensor:
-        b_index, s_index = rnd.where[name]
-        slot = rnd.buckets[b_index].slots[s_index]
-        return rnd.buffers[b_index][slot.offset:slot.offset + slot.numel].view(slot.shape)
+        return rnd.views[name]
 
     def _fill(self, name: str, grad: Optional[Tensor]) -> None:
         """Put this rank's payload for ``name`` into its slot.
@@ -443,11 +454,14 @@ class ACPReducer:
         """
         changed = any(self.params[n].grad is not None and self.params[n].grad._version != v
                       for n, v in self.written_versions.items())
-        if not changed or self.written_norm2 <= 0:
+        if not changed or any(f is None for f in self.written_factors):
+            return 1.0
+        written = sum(float(f.double().pow(2).sum()) for f in self.written_factors)
+        if written <= 0:
             return 1.0
         now = sum(float(self.params[n].grad.double().pow(2).sum())
                   for n in self.written_versions if self.params[n].grad is not None)
-        scale = (now / self.written_norm2) ** 0.5
+        scale = (now / written) ** 0.5
         return scale if scale == scale and scale != float("inf") else 1.0
 
     def _complete(self, rnd: _Round) -> None:
@@ -459,7 +473,7 @@ class ACPReducer:
         are still on the wire.
         """
         nonfinite = set()
-        self.written_norm2, self.written_versions = 0.0, {}
+        self.written_factors, self.written_versions = [], {}
         for b_index, bucket in enumerate(rnd.buckets):
             self.comm.synchronize(rnd.handles[b_index])
             started = time.perf_counter()
@@ -540,7 +554,8 @@ class ACPReducer:
                 param.grad.copy_(matrix.view(param.grad.shape))
             # ||G|| = ||averaged factor|| (the basis is orthonormal): what was
             # written, to tell later how the user rescaled it (AMP unscaling).
-            self.written_norm2 += float(averaged.double().pow(2).sum())
+            self.written_factors.append(
+                (tensor.p if rnd.phase is Phase.P else tensor.q) if commit else None)
             self.written_versions[name] = param.grad._version
         else:
             if param.grad is None:

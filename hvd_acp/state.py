@@ -42,7 +42,7 @@ from torch import Tensor
 
 from .autorank import AutoRank, choose_rank, energy_curve, parse_matrix_rank, spectral_factors
 from .compression import (Phase, compress_, compute_dtype, init_factor, local_residual_,
-                          orthonormalize_, phase_of, reconstruct_)
+                          orthonormal_copies, phase_of, reconstruct_)
 from .fusion import TensorLayout, make_layouts, rank_limit
 
 logger = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class CompressedTensor:
         Modifies ``error`` in place.
         """
         lay = self.layout
-        matrix = None if grad is None else grad.reshape(lay.n, lay.m).to(lay.dtype)
+        matrix = None if grad is None else _as_matrix(grad, lay)
         error = self.error
         if phase is Phase.Q:
             matrix, error = (None if matrix is None else matrix.t()), error.t()
@@ -160,7 +160,7 @@ class CompressedTensor:
         step; without (a non-finite average, identical on every rank) the
         factor is kept and the residual restarts from zero (:meth:`repair_`).
         """
-        factor = averaged.to(self.layout.dtype)
+        factor = averaged if averaged.dtype == self.layout.dtype else averaged.to(self.layout.dtype)
         if commit:
             factor = self.commit_(phase, factor)
         else:
@@ -186,6 +186,14 @@ class CompressedTensor:
             self.error.copy_(entry["error"])
         else:
             self.error.zero_()
+
+
+def _as_matrix(grad: Tensor, lay: TensorLayout) -> Tensor:
+    """``grad`` viewed as the (n, m) matrix of ``lay``, in its compute dtype
+    (no operator call where it already is one)."""
+    if grad.dim() != 2 or grad.shape[0] != lay.n or not grad.is_contiguous():
+        grad = grad.reshape(lay.n, lay.m)
+    return grad if grad.dtype == lay.dtype else grad.to(lay.dtype)
 
 
 def check_state_version(state: dict) -> None:
@@ -377,20 +385,15 @@ class CompressionState:
                           out: Optional[Dict[str, Tensor]] = None) -> Dict[str, Tensor]:
         """The orthonormalized reused factor (``Qh`` or ``Ph``) of each of ``names``.
 
-        Same-shaped factors are orthonormalized in one batched call. ``out``
-        (name -> tensor) is reused where shapes allow; the factors themselves
-        are left as they are.
+        Same-shaped factors are orthonormalized in one batched call, and each
+        basis is a view of its batch's result (nothing copied back). Written
+        into ``out`` (name -> tensor) if given; the factors themselves are
+        left as they are.
         """
         out = {} if out is None else out
-        chosen = []
-        for name in names:
-            factor = self.tensors[name].reused(phase)
-            basis = out.get(name)
-            if basis is None or basis.shape != factor.shape:
-                basis = out[name] = torch.empty_like(factor)
-            basis.copy_(factor)
-            chosen.append(basis)
-        orthonormalize_(chosen)
+        names = list(names)
+        out.update(zip(names, orthonormal_copies(self.tensors[name].reused(phase)
+                                                 for name in names)))
         return out
 
     # ------------------------------------------------------------- checking

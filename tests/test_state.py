@@ -85,16 +85,30 @@ def test_apply_commits_the_average_or_repairs_after_a_nonfinite_one():
     assert torch.equal(tensor.p, kept) and not tensor.error.any()
 
 
-def test_bases_are_orthonormal_copies_and_reuse_their_buffers():
+def test_bases_are_orthonormal_and_leave_the_factors_alone():
     state = make_state()
     q_before = state.tensors["a"].q.clone()
     out = {}
     bases = state.orthonormal_bases(Phase.P, state.tensors, out=out)
     assert bases is out and torch.equal(state.tensors["a"].q, q_before)
     assert_close(bases["a"].t() @ bases["a"], torch.eye(2, dtype=F64))
-    buffer = out["a"]
-    state.orthonormal_bases(Phase.P, state.tensors, out=out)
-    assert out["a"] is buffer
+    assert_close(bases["a"] @ (bases["a"].t() @ q_before), q_before)   # same span
+
+
+def test_same_shaped_bases_come_from_one_batched_factorization():
+    """One QR call per shape, and the bases are views of its result: nothing
+    copied back, each equal to the QR of its own factor."""
+    state = CompressionState(matrix_rank=2, min_compression_rate=1.0, warmup_steps=0, seed=3)
+    for name in ("a", "b", "c"):
+        state.add(name, (12, 10), F64, torch.device("cpu"))
+    state.add("d", (9, 16), F64, torch.device("cpu"))
+    bases = state.orthonormal_bases(Phase.P, state.tensors)
+    storages = {bases[n].untyped_storage().data_ptr() for n in ("a", "b", "c")}
+    assert len(storages) == 1
+    assert bases["d"].untyped_storage().data_ptr() not in storages
+    for name, tensor in state.tensors.items():
+        alone, _ = torch.linalg.qr(tensor.q, mode="reduced")
+        assert_close(bases[name], alone, rtol=0, atol=1e-12)
 
 
 def test_power_sgd_is_two_projections_of_the_same_tensor():
