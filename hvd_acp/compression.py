@@ -174,11 +174,17 @@ def orthonormal_copies(matrices: Iterable[Tensor]) -> List[Tensor]:
 def project_(matrix: Tensor, basis: Tensor, out: Tensor) -> None:
     """Write ``matrix @ basis`` (shape (a, r)) into ``out``.
 
-    Computed as ``(basis.T @ matrix.T).T``: with a thin ``basis`` the CPU GEMM
-    is two to five times faster in that layout (for ``matrix`` as well as
-    for its transposed view ``M.T`` in a Q step) than ``matrix @ basis``.
+    Two layouts, by what the CPU GEMM does fastest with a thin ``basis``: a
+    row-major ``matrix`` (a P step) and a column-major ``basis`` (the views
+    :func:`orthonormal_copies` returns) go straight into ``out``, one call;
+    otherwise (a Q step's ``M.T`` view, or a row-major ``basis``) it is
+    ``(basis.T @ matrix.T).T``, two to five times faster there than
+    ``matrix @ basis``, and copied into ``out``.
     """
-    out.copy_(torch.mm(basis.t(), matrix.t()).t())
+    if matrix.is_contiguous() and basis.t().is_contiguous() and out.is_contiguous():
+        torch.mm(matrix, basis, out=out)
+    else:
+        out.copy_(torch.mm(basis.t(), matrix.t()).t())
 
 
 def compress_(grad: Optional[Tensor], error: Tensor, basis: Tensor, out: Tensor) -> None:
@@ -222,12 +228,11 @@ def local_residual_(error: Tensor, factor: Tensor, basis: Tensor) -> None:
 def reconstruct_(target: Tensor, left: Tensor, right: Tensor) -> None:
     """Write ``left @ right.T`` into ``target`` (shape (a, b)), in place.
 
-    P step: ``G = P @ Qh.T``; Q step: ``G = Ph @ Q.T``. Zeroing and then
-    accumulating is faster on the CPU than a GEMM with ``beta=0`` (which
-    zeroes internally and then runs the slower overwrite kernel).
+    P step: ``G = P @ Qh.T``; Q step: ``G = Ph @ Q.T``. One GEMM writing
+    ``target`` (one pass over it; as fast on the CPU as zeroing it and
+    accumulating, which takes two).
     """
-    target.zero_()
-    target.addmm_(left, right.t())
+    torch.mm(left, right.t(), out=target)
 
 
 def step_ahead_shift(error: Tensor, lr: float, step_ahead: float, share: float = 1.0,
