@@ -20,7 +20,11 @@ said to be faster than another is the verdict of that run's interval:
   checkout today (:func:`shown_command`); the breakdown pictures are
   plotted into docs/img/ as ``bench_<run>.png``;
 - ``<!-- time -->`` ... ``<!-- end time -->``: the diagnostic jobs of the
-  runs with rounds and ``--diagnostics`` (:data:`TIME_RUNS`).
+  runs with rounds and ``--diagnostics`` (:data:`TIME_RUNS`);
+- ``<!-- baselines -->`` ... ``<!-- end baselines -->``: ACP-SGD against the
+  strongest baselines and its ablations (:data:`BASELINE_TARGETS` and
+  :data:`ABLATIONS` against :data:`BASELINE_RUNS`), and the operator calls
+  per step of the ``--count-ops`` runs (:data:`OPS_RUNS`).
 
 The hand-written parts around the markers are kept. A run ``DIR`` may have a
 second invocation of the same command in ``DIR_rerun``: the targets then say
@@ -49,6 +53,7 @@ from hvd_acp.methods import label  # noqa: E402
 RUNS_MARKERS = ("<!-- runs -->", "<!-- end runs -->")
 TARGETS_MARKERS = ("<!-- targets -->", "<!-- end targets -->")
 TIME_MARKERS = ("<!-- time -->", "<!-- end time -->")
+BASELINE_MARKERS = ("<!-- baselines -->", "<!-- end baselines -->")
 RERUN_SUFFIX = "_rerun"
 #: How the older results.json files in bench-results/ name the benchmark's
 #: command (newer ones record :data:`PROG`); with the same options it runs from
@@ -72,6 +77,12 @@ RUNS = (
     ("resnet50_100mbit_rerun", "second invocation of `resnet50_100mbit`'s command"),
     ("bert-base_b32_75mbit_rerun", "second invocation of `bert-base_b32_75mbit`'s command"),
     ("small_np4_100mbit", "the small model, 4 ranks on 2 cores (latency-bound)"),
+    ("resnet50_100mbit_baselines", "ResNet-50, S-SGD communication-bound, every baseline "
+                                   "and ablation"),
+    ("bert-base_200mbit_baselines", "BERT-Base, S-SGD communication-bound, every baseline "
+                                    "and ablation"),
+    ("ops_resnet50", "ResNet-50, operator calls per step (localhost)"),
+    ("ops_resnet50_before", "the same command run at f0f7974, before the pass reductions"),
 )
 
 #: Columns of the targets table: the communication-bound runs.
@@ -109,8 +120,12 @@ class Target:
     what: str
     bound: float
     at_least: bool
+    #: The runs the target applies to (all when empty).
+    runs: Tuple[str, ...] = ()
 
-    def judge(self, results: Dict[str, Any]) -> Optional[str]:
+    def judge(self, results: Dict[str, Any], run: Optional[str] = None) -> Optional[str]:
+        if self.runs and run not in self.runs:
+            return None
         ratio = report.find_ratio(results, self.a, self.b, self.what)
         if ratio is None:
             return None
@@ -143,6 +158,40 @@ TARGETS = (
     Target("ACP-SGD (DDP hook) bytes about half of Power-SGD (DDP hook)'s (<= 0.6x)",
            "acp-ddp", "powersgd-ddp", "bytes", 0.6, False),
 )
+#: Columns of the baselines table: the communication-bound links, every
+#: baseline and ablation in the same rounds.
+BASELINE_RUNS = (
+    ("resnet50_100mbit_baselines", "ResNet-50, 100 Mbit/s"),
+    ("bert-base_200mbit_baselines", "BERT-Base, 200 Mbit/s"),
+)
+#: The baselines ACP-SGD must beat where S-SGD is communication-bound.
+BASELINES = ("ssgd", "ssgd-fp16", "ddp", "ddp-fp16", "powersgd", "powersgd-ddp",
+             "powersgd-ddp-batched", "acp-ddp")
+BASELINE_TARGETS = (
+    Target("S-SGD communication-bound (S-SGD's step >= 4x the floor)",
+           "ssgd", report.FLOOR, "step", 4.0, True),
+    Target("ACP-SGD within 1.10x of the floor (ResNet-50's target)", "acp", report.FLOOR,
+           "step", 1.10, False, runs=("resnet50_100mbit_baselines",)),
+    Target("ACP-SGD within 1.20x of the floor (BERT-Base's target)", "acp", report.FLOOR,
+           "step", 1.20, False, runs=("bert-base_200mbit_baselines",)),
+    Target("ACP-SGD compression <= 0.6x Power-SGD's (hvd_acp)",
+           "acp", "powersgd", "compression", 0.6, False),
+    *(Target(f"ACP-SGD faster than {label(m)} (its step / ACP-SGD's > 1)",
+             m, "acp", "step", 1.0, True) for m in BASELINES),
+)
+#: What each ablation of ACP-SGD is worth: the ablation's step over ACP-SGD's.
+ABLATIONS = (
+    ("acp-nooverlap", "overlap with backward: the same compression and buffers, "
+                      "all-reduced after backward (alternating Power-SGD as epfml's "
+                      "`powersgd` runs it)"),
+    ("acp-nofusion", "fusion: one all-reduce per tensor, still launched from the hooks"),
+)
+#: Operator calls per step: (``--count-ops`` run, what it is), before and after.
+OPS_RUNS = (
+    ("ops_resnet50_before", "ResNet-50, before"),
+    ("ops_resnet50", "ResNet-50"),
+)
+
 #: Half-width of ACP-SGD's interval against Power-SGD's step, as a share of its median.
 PRECISION = 0.05
 #: Minutes a documented run may take.
@@ -251,6 +300,56 @@ def targets_table(results_dir: Path) -> List[str]:
     return lines
 
 
+def baselines_section(results_dir: Path) -> List[str]:
+    """ACP-SGD against every baseline and its ablations, and the operator calls."""
+    runs = [(run, title, load(results_dir, run)) for run, title in BASELINE_RUNS]
+    runs = [(run, title, results) for run, title, results in runs if results is not None]
+    lines: List[str] = []
+    if runs:
+        lines += ["| target | " + " | ".join(f"{title} (`{run}`)" for run, title, _ in runs)
+                  + " |", "|---|" + "---|" * len(runs)]
+        for target in BASELINE_TARGETS:
+            cells = [target.judge(results, run) for run, _, results in runs]
+            if any(c is not None for c in cells):
+                lines.append(f"| {target.text} | " + " | ".join(c or "n/a" for c in cells)
+                             + " |")
+        lines += ["", "| ablation: ACP-SGD without ... (its step / ACP-SGD's) | "
+                  + " | ".join(title for _, title, _ in runs) + " |",
+                  "|---|" + "---|" * len(runs)]
+        for method, what in ABLATIONS:
+            cells = [report.find_ratio(results, method, "acp", "step") for _, _, results in runs]
+            lines.append(f"| {what} (`{method}`) | " + " | ".join(
+                f"{_ratio_text(c)}, {_verdict_word(c)}" if c else "n/a" for c in cells) + " |")
+        lines += ["", "Each figure is the median over the rounds of the ratio paired inside "
+                  "each round, [its interval]; met, missed and not separable as in the "
+                  "targets above. The step times, bytes and all-reduces of every method are "
+                  "in each run's results.md."]
+    ops = [(run, title, load(results_dir, run)) for run, title in OPS_RUNS]
+    ops = [(run, title, results) for run, title, results in ops if results is not None]
+    if ops:
+        methods = [m for m in report.KEYS if any(
+            (results["methods"].get(m) or {}).get("ops_over_floor_per_step") is not None
+            for _, _, results in ops)]
+        lines += ["", "| operator calls over the floor per step | "
+                  + " | ".join(f"{title} (`{run}`)" for run, title, _ in ops) + " |",
+                  "|---|" + "---:|" * len(ops)]
+        for method in methods:
+            cells = [(results["methods"].get(method) or {}).get("ops_over_floor_per_step")
+                     for _, _, results in ops]
+            lines.append(f"| {label(method)} | " + " | ".join(
+                "n/a" if c is None else f"{c:,.0f}" for c in cells) + " |")
+    return lines or ["No runs in bench-results/ yet."]
+
+
+def _verdict_word(ratio: Dict[str, Any]) -> str:
+    """``a`` over ``b`` > 1 means ACP-SGD is the faster: say it from ACP-SGD's side."""
+    if ratio["low"] > 1.0:
+        return "ACP-SGD faster"
+    if ratio["high"] < 1.0:
+        return "ACP-SGD slower"
+    return "not separable from noise"
+
+
 def _link(mbit: Optional[float]) -> str:
     if not mbit:
         return "localhost, no emulation"
@@ -357,6 +456,7 @@ def main(argv=None) -> int:
                           args.doc)
     text = replace_marked(text, TARGETS_MARKERS, targets_table(args.results), args.doc)
     text = replace_marked(text, TIME_MARKERS, time_table(args.results), args.doc)
+    text = replace_marked(text, BASELINE_MARKERS, baselines_section(args.results), args.doc)
     args.doc.write_text(text, encoding="utf-8")
     print(f"wrote {args.doc}")
     return 0

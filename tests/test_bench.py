@@ -19,6 +19,7 @@ from benchmarks.stats import (combine_ranks, median_interval, order_statistic_ra
                               paired_ratios, parse_methods, percentile, round_order,
                               summarize_steps, tbf_burst_bytes, verdict)
 from benchmarks.worker import link_tx_bytes, powersgd_ddp_bytes_per_step
+from hvd_acp.methods import label
 from hvd_acp.plan.models import SmallNet, build_model, default_matrix_rank
 from hvd_acp.plan.units import parse_bandwidth
 from tests.hvdrun import requires_emulation
@@ -358,7 +359,8 @@ def test_bench_doc_judges_targets_from_the_intervals(tmp_path, monkeypatch):
         report.markdown(_results(figures)))
     doc = tmp_path / "benchmarks.md"
     doc.write_text("intro\n<!-- targets -->\nold\n<!-- end targets -->\nmiddle\n"
-                   "<!-- runs -->\nold\n<!-- end runs -->\n<!-- time -->\n<!-- end time -->\nend\n")
+                   "<!-- runs -->\nold\n<!-- end runs -->\n<!-- time -->\n<!-- end time -->\n"
+                   "<!-- baselines -->\n<!-- end baselines -->\nend\n")
     assert bench_doc.main(["--results", str(results), "--doc", str(doc),
                            "--img", str(tmp_path / "img")]) == 0
     text = doc.read_text()
@@ -392,6 +394,46 @@ def test_bench_doc_judges_targets_from_the_intervals(tmp_path, monkeypatch):
         bench_doc.main(["--results", str(results), "--doc", str(doc), "--readme", "README.md"])
     # "Where the time goes" lists only runs with diagnostics: none here.
     assert "| run | floor (1 process) |" in text and "(`resnet50_100mbit`" not in text
+    assert "No runs in bench-results/ yet." in text.split("<!-- baselines -->")[1]
+
+
+def test_bench_doc_judges_the_baselines_and_ablations(tmp_path, monkeypatch):
+    """The baselines section: each target in the runs it applies to, each
+    ablation's worth from ACP-SGD's side, and the operator calls per run."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_doc", REPO / "scripts" / "bench_doc.py")
+    bench_doc = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_doc", bench_doc)   # dataclasses look it up
+    spec.loader.exec_module(bench_doc)
+    figures = {"compute": (1.0, 0.0, 0.0), "ssgd": (9.0, 0.0, 1000.0),
+               "ssgd-fp16": (5.0, 0.0, 500.0), "powersgd": (1.4, 0.05, 20.0),
+               "powersgd-ddp-batched": (1.16, 0.05, 20.0), "acp": (1.15, 0.025, 10.0),
+               "acp-nooverlap": (1.5, 0.025, 10.0), "acp-nofusion": (1.16, 0.03, 10.0)}
+    results = tmp_path / "results"
+    _write(results / "resnet50_100mbit_baselines" / "results.json", _results(figures))
+    ops = _results({"compute": (1.0, 0.0, 0.0), "acp": (1.1, 0.02, 10.0)}, rounds=1)
+    ops["methods"]["acp"]["ops_over_floor_per_step"] = 2722.0
+    _write(results / "ops_resnet50" / "results.json", ops)
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("<!-- targets -->\n<!-- end targets -->\n<!-- runs -->\n<!-- end runs -->\n"
+                   "<!-- time -->\n<!-- end time -->\n<!-- baselines -->\n<!-- end baselines -->\n")
+    assert bench_doc.main(["--results", str(results), "--doc", str(doc),
+                           "--img", str(tmp_path / "img")]) == 0
+    section = doc.read_text().split("<!-- baselines -->")[1]
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in section.splitlines()
+            if line.startswith("| ")}
+    assert "**missed**" in rows["ACP-SGD within 1.10x of the floor (ResNet-50's target)"]
+    assert "ACP-SGD within 1.20x of the floor (BERT-Base's target)" not in rows
+    assert "**met**" in rows["ACP-SGD compression <= 0.6x Power-SGD's (hvd_acp)"]
+    assert "**met**" in rows[f"ACP-SGD faster than {label('ssgd-fp16')} (its step / "
+                             "ACP-SGD's > 1)"]
+    assert "not separable from noise" in rows[
+        f"ACP-SGD faster than {label('powersgd-ddp-batched')} (its step / ACP-SGD's > 1)"]
+    assert f"ACP-SGD faster than {label('ddp-fp16')} (its step / ACP-SGD's > 1)" not in rows
+    overlap = next(line for text, line in rows.items() if "(`acp-nooverlap`)" in text)
+    fusion = next(line for text, line in rows.items() if "(`acp-nofusion`)" in text)
+    assert "ACP-SGD faster" in overlap and "not separable from noise" in fusion
+    assert "| 2,722 |" in rows[label("acp")]
 
 
 # -------------------------------------------------------- counters, models

@@ -1,0 +1,87 @@
+"""What ACP-SGD's compression costs per step in one process: seconds and operator calls.
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/compression_cost.py --model resnet50 --batch-size 4
+
+One process, no communication (hvd_acp.LocalCommunicator): the benchmark's
+model and batch, trained with hvd_acp.DistributedOptimizer. Prints the
+median over ``--steps`` steps of the reducer's compression seconds (the
+maths in the hooks and in step(): projection, residual, orthonormalization,
+reconstruction) and of the step-ahead shift put on and taken off, and the
+operator calls (``aten::`` events of torch.profiler) per step over plain
+torch SGD's. Run it from another checkout (``PYTHONPATH=that/checkout``) to
+compare two versions of the code on the same host.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import hvd_acp
+from hvd_acp.plan.models import MODELS, build_model, default_matrix_rank
+
+
+def operator_calls(step, steps: int = 2) -> float:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    return sum(1 for e in prof.events() if e.name.startswith("aten::")) / steps
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="resnet50", choices=MODELS)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--matrix-rank", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    rank = args.matrix_rank or default_matrix_rank(args.model)
+
+    spec = build_model(args.model, args.batch_size)
+    plain = torch.optim.SGD(spec.model.parameters(), lr=0.01, momentum=0.9)
+
+    def plain_step():
+        plain.zero_grad()
+        spec.loss_fn(spec.model, spec.batch).backward()
+        plain.step()
+
+    plain_step()
+    floor_calls = operator_calls(plain_step)
+
+    spec = build_model(args.model, args.batch_size)
+    inner = torch.optim.SGD(spec.model.parameters(), lr=0.01, momentum=0.9)
+    opt = hvd_acp.DistributedOptimizer(inner, spec.model.named_parameters(), matrix_rank=rank,
+                                       communicator=hvd_acp.LocalCommunicator())
+    reducer, shift = opt._reducer, opt._step_ahead
+
+    def step():
+        opt.zero_grad()
+        spec.loss_fn(spec.model, spec.batch).backward()
+        opt.step()
+
+    for _ in range(3):
+        step()
+    compression, shifting = [], []
+    for _ in range(args.steps):
+        before = reducer.compression_seconds
+        step()
+        compression.append(reducer.compression_seconds - before)
+        start = time.perf_counter()
+        shift.apply()
+        shift.restore()
+        shifting.append(time.perf_counter() - start)
+        shift.after_step()
+    calls = operator_calls(step)
+    print(f"{hvd_acp.__file__}: {args.model}, batch {args.batch_size}, rank {rank}: "
+          f"compression {statistics.median(compression) * 1e3:.1f} ms per step "
+          f"(min {min(compression) * 1e3:.1f}), step-ahead shift on and off "
+          f"{statistics.median(shifting) * 1e3:.1f} ms, operator calls per step "
+          f"{calls:.0f} ({calls - floor_calls:.0f} over plain SGD's {floor_calls:.0f})")
+
+
+if __name__ == "__main__":
+    main()
