@@ -166,7 +166,7 @@ BASELINE_RUNS = (
 )
 #: The baselines ACP-SGD must beat where S-SGD is communication-bound.
 BASELINES = ("ssgd", "ssgd-fp16", "ddp", "ddp-fp16", "powersgd", "powersgd-ddp",
-             "powersgd-ddp-batched", "acp-ddp")
+             "powersgd-ddp-batched")
 BASELINE_TARGETS = (
     Target("S-SGD communication-bound (S-SGD's step >= 4x the floor)",
            "ssgd", report.FLOOR, "step", 4.0, True),
