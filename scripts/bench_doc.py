@@ -82,7 +82,6 @@ RUNS = (
     ("bert-base_200mbit_baselines", "BERT-Base, S-SGD communication-bound, every baseline "
                                     "and ablation"),
     ("ops_resnet50", "ResNet-50, operator calls per step (localhost)"),
-    ("ops_resnet50_before", "the same command run at f0f7974, before the pass reductions"),
 )
 
 #: Columns of the targets table: the communication-bound runs.
@@ -186,9 +185,8 @@ ABLATIONS = (
                       "`powersgd` runs it)"),
     ("acp-nofusion", "fusion: one all-reduce per tensor, still launched from the hooks"),
 )
-#: Operator calls per step: (``--count-ops`` run, what it is), before and after.
+#: Operator calls per step: (``--count-ops`` run, what it is).
 OPS_RUNS = (
-    ("ops_resnet50_before", "ResNet-50, before"),
     ("ops_resnet50", "ResNet-50"),
 )
 
