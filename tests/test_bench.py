@@ -343,12 +343,18 @@ def test_check_refuses_missing_or_foreign_files(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------- docs
-def test_bench_doc_judges_targets_from_the_intervals(tmp_path, monkeypatch):
+@pytest.fixture
+def bench_doc(monkeypatch):
+    """scripts/bench_doc.py, loaded as a module."""
     import importlib.util
     spec = importlib.util.spec_from_file_location("bench_doc", REPO / "scripts" / "bench_doc.py")
-    bench_doc = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_doc", bench_doc)   # dataclasses look it up
-    spec.loader.exec_module(bench_doc)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_doc", module)   # dataclasses look it up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_doc_judges_targets_from_the_intervals(tmp_path, bench_doc):
     figures = {"compute": (1.0, 0.0, 0.0), "ssgd": (9.0, 0.0, 1000.0),
                "powersgd": (1.4, 0.05, 20.0), "powersgd-ddp": (1.31, 0.09, 20.0),
                "acp": (1.3, 0.03, 10.0)}
@@ -397,14 +403,9 @@ def test_bench_doc_judges_targets_from_the_intervals(tmp_path, monkeypatch):
     assert "No runs in bench-results/ yet." in text.split("<!-- baselines -->")[1]
 
 
-def test_bench_doc_judges_the_baselines_and_ablations(tmp_path, monkeypatch):
+def test_bench_doc_judges_the_baselines_and_ablations(tmp_path, bench_doc):
     """The baselines section: each target in the runs it applies to, each
     ablation's worth from ACP-SGD's side, and the operator calls per run."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("bench_doc", REPO / "scripts" / "bench_doc.py")
-    bench_doc = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_doc", bench_doc)   # dataclasses look it up
-    spec.loader.exec_module(bench_doc)
     figures = {"compute": (1.0, 0.0, 0.0), "ssgd": (9.0, 0.0, 1000.0),
                "ssgd-fp16": (5.0, 0.0, 500.0), "powersgd": (1.4, 0.05, 20.0),
                "powersgd-ddp-batched": (1.16, 0.05, 20.0), "acp": (1.15, 0.025, 10.0),
