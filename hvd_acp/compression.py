@@ -41,6 +41,8 @@ __all__ = [
     "project_",
     "compress_",
     "local_residual_",
+    "compress_columns_",
+    "local_residual_columns_",
     "reconstruct_",
     "init_factor",
     "step_ahead_shift",
@@ -177,14 +179,15 @@ def project_(matrix: Tensor, basis: Tensor, out: Tensor) -> None:
     Two layouts, by what the CPU GEMM does fastest with a thin ``basis``: a
     row-major ``matrix`` (a P step) and a column-major ``basis`` (the views
     :func:`orthonormal_copies` returns) go straight into ``out``, one call;
-    otherwise (a Q step's ``M.T`` view, or a row-major ``basis``) it is
+    otherwise (a transposed view, or a row-major ``basis``) it is
     ``(basis.T @ matrix.T).T``, two to five times faster there than
-    ``matrix @ basis``, and copied into ``out``.
+    ``matrix @ basis``, and copied into ``out``. The layouts are read from
+    the strides, which costs no operator call.
     """
-    if matrix.is_contiguous() and basis.t().is_contiguous() and out.is_contiguous():
+    if matrix.is_contiguous() and _column_major(basis) and out.is_contiguous():
         torch.mm(matrix, basis, out=out)
     else:
-        out.copy_(torch.mm(basis.t(), matrix.t()).t())
+        out.copy_(_transposed(torch.mm(_transposed(basis), _transposed(matrix))))
 
 
 def compress_(grad: Optional[Tensor], error: Tensor, basis: Tensor, out: Tensor) -> None:
@@ -204,7 +207,8 @@ def compress_(grad: Optional[Tensor], error: Tensor, basis: Tensor, out: Tensor)
     project_(error, basis, out)
 
 
-def local_residual_(error: Tensor, factor: Tensor, basis: Tensor) -> None:
+def local_residual_(error: Tensor, factor: Tensor, basis: Tensor,
+                    basis_t: Optional[Tensor] = None) -> None:
     """``E = A - factor @ basis.T``: what this rank's factor does not carry.
 
     Args:
@@ -213,6 +217,7 @@ def local_residual_(error: Tensor, factor: Tensor, basis: Tensor) -> None:
         factor: shape (a, r), this rank's factor ``A @ basis`` before the
             all-reduce (``P_i``, or ``Q_i`` for a Q step on ``E.T``).
         basis: shape (b, r), the basis it was projected on.
+        basis_t: ``basis.T``, if the caller has that view already.
 
     Each rank keeps its own unsent part, whatever the reduction (average or
     sum): the identity ``M + E_before == factor @ basis.T + E_after`` holds
@@ -222,17 +227,64 @@ def local_residual_(error: Tensor, factor: Tensor, basis: Tensor) -> None:
     the projection (zero at full rank), where a residual against the
     average also accumulates the rank's deviation from the mean.
     """
-    error.addmm_(factor, basis.t(), alpha=-1)
+    error.addmm_(factor, _transposed(basis) if basis_t is None else basis_t, alpha=-1)
 
 
-def reconstruct_(target: Tensor, left: Tensor, right: Tensor) -> None:
+def compress_columns_(grad: Optional[Tensor], error: Tensor, basis: Tensor,
+                      out: Tensor) -> Tensor:
+    """A Q step on the untransposed matrices: ``out = A.T @ basis``.
+
+    The same maths as :func:`compress_` on ``grad.T`` / ``error.T``
+    (``A = M + E``, ``Q_i = A^T Ph``), written for the row-major (a, b)
+    matrices: ``Q_i^T = Ph^T A`` is one GEMM in the layout the CPU computes
+    fastest, and :func:`local_residual_columns_` reuses it as it is, so
+    nothing is transposed but two views.
+
+    Args:
+        grad: shape (a, b), this rank's gradient matrix ``M``; ``None`` for zero.
+        error: shape (a, b), the residual ``E``; modified in place to hold ``A``.
+        basis: shape (a, r), ``Ph``.
+        out: shape (b, r), receives ``A.T @ basis``.
+
+    Returns:
+        ``Q_i^T``, shape (r, b), for :func:`local_residual_columns_`.
+    """
+    if grad is not None:
+        error.add_(grad)
+    factor_t = torch.mm(_transposed(basis), error)
+    out.copy_(_transposed(factor_t))
+    return factor_t
+
+
+def local_residual_columns_(error: Tensor, basis: Tensor, factor_t: Tensor) -> None:
+    """``E = A - basis @ factor_t``: :func:`local_residual_` of a Q step on the
+    untransposed residual (``error`` (a, b) holds ``A``, ``basis`` (a, r) is
+    ``Ph``, ``factor_t`` (r, b) is ``Q_i^T`` from :func:`compress_columns_`)."""
+    error.addmm_(basis, factor_t, alpha=-1)
+
+
+def reconstruct_(target: Tensor, left: Tensor, right: Tensor,
+                 right_t: Optional[Tensor] = None) -> None:
     """Write ``left @ right.T`` into ``target`` (shape (a, b)), in place.
 
     P step: ``G = P @ Qh.T``; Q step: ``G = Ph @ Q.T``. One GEMM writing
     ``target`` (one pass over it; as fast on the CPU as zeroing it and
-    accumulating, which takes two).
+    accumulating, which takes two). ``right_t`` is ``right.T`` if the caller
+    has that view already.
     """
-    torch.mm(left, right.t(), out=target)
+    torch.mm(left, _transposed(right) if right_t is None else right_t, out=target)
+
+
+def _transposed(matrix: Tensor) -> Tensor:
+    """``matrix.T`` as one ``transpose`` call (``Tensor.t`` dispatches one more)."""
+    return matrix.transpose(0, 1)
+
+
+def _column_major(matrix: Tensor) -> bool:
+    """Whether ``matrix.T`` is contiguous, read from the strides (no operator call)."""
+    rows, cols = matrix.shape
+    return ((rows <= 1 or matrix.stride(0) == 1)
+            and (cols <= 1 or matrix.stride(1) == rows))
 
 
 def step_ahead_shift(error: Tensor, lr: float, step_ahead: float, share: float = 1.0,

@@ -31,6 +31,7 @@ It knows nothing of the wrapped torch optimizer.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -349,7 +350,7 @@ class ACPReducer:
         elif grad is None:
             out.zero_()
         else:
-            out.copy_(grad.reshape(out.shape))
+            out.copy_(grad if grad.shape == out.shape else grad.reshape(out.shape))
         rnd.filled[name] = grad is not None
         b_index = rnd.where[name][0]
         rnd.ready[b_index] += 1
@@ -516,7 +517,10 @@ class ACPReducer:
         bad = set()
         for b_index in range(len(rnd.buckets)) if indices is None else indices:
             bucket, buffer = rnd.buckets[b_index], rnd.buffers[b_index]
-            if not bool(torch.isfinite(buffer).all()):
+            # One reduction and one read per buffer: a sum is finite unless an
+            # entry is inf or NaN (or the sum overflows, when the per-slot test
+            # below finds nothing to repair).
+            if not math.isfinite(float(buffer.sum())):
                 bad.update(nonfinite_names(
                     (slot.name, buffer[slot.offset:slot.offset + slot.numel])
                     for slot in bucket.slots))
@@ -532,7 +536,7 @@ class ACPReducer:
             param.grad = torch.empty_like(param, memory_format=torch.contiguous_format)
         grad = param.grad
         if grad.is_contiguous() and grad.dtype == lay.dtype:
-            return grad.view(lay.n, lay.m), True
+            return (grad if grad.shape == (lay.n, lay.m) else grad.view(lay.n, lay.m)), True
         return torch.empty(lay.n, lay.m, dtype=lay.dtype, device=self.device), False
 
     def _write_grad(self, rnd: _Round, name: str, commit: bool = True) -> None:
@@ -560,7 +564,8 @@ class ACPReducer:
         else:
             if param.grad is None:
                 param.grad = torch.empty_like(param, memory_format=torch.contiguous_format)
-            param.grad.copy_(averaged.view(param.grad.shape))
+            grad = param.grad
+            grad.copy_(averaged if averaged.shape == grad.shape else averaged.view(grad.shape))
 
     def share(self) -> float:
         """This rank's part of an all-reduced result (1 when it is the average)."""

@@ -41,7 +41,8 @@ import torch
 from torch import Tensor
 
 from .autorank import AutoRank, choose_rank, energy_curve, parse_matrix_rank, spectral_factors
-from .compression import (Phase, compress_, compute_dtype, init_factor, local_residual_,
+from .compression import (Phase, compress_, compress_columns_, compute_dtype, init_factor,
+                          local_residual_, local_residual_columns_,
                           orthonormal_copies, phase_of, reconstruct_)
 from .fusion import TensorLayout, make_layouts, rank_limit
 
@@ -90,7 +91,7 @@ class CompressedTensor:
         error: shape (n, m), this rank's residual ``E``.
     """
 
-    __slots__ = ("layout", "p", "q", "error")
+    __slots__ = ("layout", "p", "q", "error", "_error_shaped", "_basis_t")
 
     def __init__(self, layout: TensorLayout, generator: torch.Generator,
                  device: torch.device) -> None:
@@ -99,6 +100,12 @@ class CompressedTensor:
         self.q = init_factor(lay.m, lay.r, generator, lay.dtype, device)
         self.p = init_factor(lay.n, lay.r, generator, lay.dtype, device)
         self.error = torch.zeros(lay.n, lay.m, dtype=lay.dtype, device=device)
+        #: ``error`` viewed in the parameter's shape, made once: a gradient of
+        #: that shape is added in without an operator call to view it.
+        self._error_shaped = self.error.view(lay.shape)
+        #: (basis, basis.T): a P step's basis is used transposed twice (the
+        #: residual, the reconstruction); the view is made once.
+        self._basis_t: Tuple[Optional[Tensor], Optional[Tensor]] = (None, None)
 
     def resize_(self, layout: TensorLayout, p: Tensor, q: Tensor) -> None:
         """Take a new rank (``layout.r``) with the factors ``p`` (n, r) and
@@ -129,16 +136,32 @@ class CompressedTensor:
 
         Modifies ``error`` in place.
         """
-        lay = self.layout
-        matrix = None if grad is None else _as_matrix(grad, lay)
         error = self.error
-        if phase is Phase.Q:
-            matrix, error = (None if matrix is None else matrix.t()), error.t()
-        compress_(matrix, error, basis, out)          # A = M + E, out = A B
+        if grad is None:
+            matrix = None
+        elif grad.shape == self._error_shaped.shape and grad.dtype == error.dtype:
+            self._error_shaped.add_(grad)             # A = M + E, in the gradient's shape
+            matrix, grad = grad, None
+        else:
+            matrix = grad = _as_matrix(grad, self.layout)
+        if phase is Phase.P:
+            compress_(grad, error, basis, out)        # A = M + E, P_i = A Qh
+        else:
+            factor_t = compress_columns_(grad, error, basis, out)   # Q_i = A^T Ph
         if record is not None:
-            record.add_compressed(matrix, error, out)
-        if residual:
-            local_residual_(error, out, basis)        # E = A - out B^T
+            record.add_compressed(matrix, error, out)   # norms: either orientation
+        if not residual:
+            return
+        if phase is Phase.P:
+            local_residual_(error, out, basis, self._transpose(basis))   # E = A - P_i Qh^T
+        else:
+            local_residual_columns_(error, basis, factor_t)        # E = A - Ph Q_i^T
+
+    def _transpose(self, basis: Tensor) -> Tensor:
+        """``basis.T``, made once per basis."""
+        if self._basis_t[0] is not basis:
+            self._basis_t = (basis, basis.transpose(0, 1))
+        return self._basis_t[1]
 
     def commit_(self, phase: Phase, averaged: Tensor) -> Tensor:
         """Keep the averaged factor of ``phase`` for the next step; returns it."""
@@ -148,7 +171,7 @@ class CompressedTensor:
     def reconstruct_(self, phase: Phase, factor: Tensor, basis: Tensor, target: Tensor) -> None:
         """``G`` into ``target`` (n, m): ``factor @ basis.T`` (P) or ``basis @ factor.T`` (Q)."""
         if phase is Phase.P:
-            reconstruct_(target, factor, basis)            # G = P Qh^T
+            reconstruct_(target, factor, basis, self._transpose(basis))  # G = P Qh^T
         else:
             reconstruct_(target, basis, factor)            # G = Ph Q^T
 

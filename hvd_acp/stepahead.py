@@ -115,6 +115,8 @@ class StepAhead:
         #: name -> the buffer not in the parameter now: the true weights while
         #: shifted (or their copy, see _owns_storage), the next shift's otherwise.
         self._spares: Dict[str, Tensor] = {}
+        #: name -> (residual, its view in the parameter's shape).
+        self._error_views: Dict[str, Tuple[Tensor, Tensor]] = {}
         self._handle = None
         # Modules seen by the forward pre-hook: whether they hold one of our
         # parameters (another model's forward must not shift ours).
@@ -206,9 +208,9 @@ class StepAhead:
             alpha = -scale * self.step_ahead / share
             if denom is None and error.dtype == param.dtype:
                 # step_ahead_shift without denominator, fused: one pass.
-                torch.add(true, error.view(param.shape), alpha=alpha, out=shifted)
+                torch.add(true, self._shaped(name, error, param), alpha=alpha, out=shifted)
             elif denom is not None and error.dtype == param.dtype:
-                torch.addcdiv(true, error.view(param.shape), denom.view(param.shape),
+                torch.addcdiv(true, self._shaped(name, error, param), denom.view(param.shape),
                               value=alpha, out=shifted)
             else:
                 if denom is not None:
@@ -219,6 +221,13 @@ class StepAhead:
                 param.data = shifted
                 self._spares[name] = true
             self._applied[name] = (swap, param._version)
+
+    def _shaped(self, name: str, error: Tensor, param: Tensor) -> Tensor:
+        """``error`` viewed in ``param``'s shape, the view made once per residual."""
+        cached = self._error_views.get(name)
+        if cached is None or cached[0] is not error or cached[1].shape != param.shape:
+            cached = self._error_views[name] = (error, error.view(param.shape))
+        return cached[1]
 
     @torch.no_grad()
     def restore(self, warn: bool = True) -> None:

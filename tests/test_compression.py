@@ -241,3 +241,37 @@ def test_init_factor_is_reproducible_from_the_seed():
                                              (Phase.DENSE, Phase.DENSE)])
 def test_phase_flipped(phase, expected):
     assert phase.flipped() is expected
+
+
+def test_a_q_step_on_the_untransposed_residual_equals_the_transposed_form():
+    from hvd_acp.compression import compress_columns_, local_residual_columns_
+    grad, start = _randn(9, 7, seed=7), _randn(9, 7, seed=8)
+    basis = _orthonormalized(_randn(9, 3, seed=9))
+    transposed_error, out_t = start.clone(), torch.empty(7, 3, dtype=F64)
+    compress_(grad.t(), transposed_error.t(), basis, out_t)
+    local_residual_(transposed_error.t(), out_t, basis)
+
+    error, out = start.clone(), torch.full((7, 3), float("nan"), dtype=F64)
+    factor_t = compress_columns_(grad, error, basis, out)
+    assert_close(error, grad + start, atol=0, rtol=0)          # A, before the residual
+    assert factor_t.shape == (3, 7)
+    local_residual_columns_(error, basis, factor_t)
+    assert_close(out, (grad + start).t() @ basis, atol=1e-12, rtol=0)
+    assert_close(out, out_t, atol=1e-12, rtol=0)
+    assert_close(error, transposed_error, atol=1e-12, rtol=0)
+    # M + E_before == Ph Q_i^T + E_after: nothing lost.
+    assert_close(grad + start, basis @ out.t() + error, atol=1e-12, rtol=0)
+
+
+def test_precomputed_transposes_give_the_same_products():
+    factor, basis = _randn(6, 2, seed=11), _orthonormalized(_randn(5, 2, seed=12))
+    error = _randn(6, 5, seed=13)
+    by_view = error.clone()
+    local_residual_(by_view, factor, basis, basis.t())
+    local_residual_(error, factor, basis)
+    assert torch.equal(by_view, error)
+    target, target_t = torch.empty(6, 5, dtype=F64), torch.empty(6, 5, dtype=F64)
+    reconstruct_(target, factor, basis)
+    reconstruct_(target_t, factor, basis, basis.t())
+    assert torch.equal(target, target_t)
+    assert_close(target, factor @ basis.t(), atol=1e-12, rtol=0)

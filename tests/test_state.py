@@ -216,3 +216,25 @@ def test_compressed_tensor_takes_any_gradient_shape_and_dtype():
     out = torch.empty(4, 2, dtype=F64)
     tensor.compress_(Phase.P, grad, basis, out)
     assert_close(out, grad.reshape(4, 12).double() @ basis)
+
+
+@pytest.mark.parametrize("phase", [Phase.P, Phase.Q])
+def test_a_gradient_in_the_parameters_shape_or_layout_compresses_alike(phase):
+    """The parameter-shaped gradient is added without a view; a flattened or
+    channels-last one takes the matrix path: the same bits either way."""
+    grad = torch.randn(4, 3, 2, 2, dtype=F64)
+    results = []
+    for given in (grad, grad.reshape(4, 12), grad.to(memory_format=torch.channels_last)):
+        state = make_state(shapes=(("conv", (4, 3, 2, 2)),))
+        tensor = state.tensors["conv"]
+        tensor.error.copy_(torch.linspace(-1, 1, 48, dtype=F64).view(4, 12))
+        basis = state.orthonormal_bases(phase, ["conv"])["conv"]
+        out = torch.empty(4 if phase is Phase.P else 12, 2, dtype=F64)
+        tensor.compress_(phase, given, basis, out)
+        results.append((out, tensor.error.clone()))
+    for out, error in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(error, results[0][1])
+    accumulated = grad.reshape(4, 12) + torch.linspace(-1, 1, 48, dtype=F64).view(4, 12)
+    out, error = results[0]
+    sent = out @ basis.t() if phase is Phase.P else basis @ out.t()
+    assert_close(sent + error, accumulated)
