@@ -277,8 +277,9 @@ def _summarize(cfg: BenchConfig, method: str, ranks: List[Dict[str, Any]]) -> Di
             combine_ranks([r["tiny_allreduce_s"] for r in ranks]), 50)
     if all("link_tx_bytes" in r for r in ranks):
         entry["link_tx_bytes_per_step"] = sum(r["link_tx_bytes"] for r in ranks) / per_rank
-    if "ops_per_step" in ranks[0]:                      # --count-ops: rank 0's
-        entry["ops_per_step"] = ranks[0]["ops_per_step"]
+    for key in ("ops_per_step", "kernels_per_step"):      # --count-ops: rank 0's
+        if key in ranks[0]:
+            entry[key] = ranks[0][key]
     if "bytes_sent_per_step_analytic" in ranks[0]:      # torch's powerSGD_hook
         entry["bytes_sent_per_step_analytic"] = ranks[0]["bytes_sent_per_step_analytic"]
     return entry
@@ -428,7 +429,9 @@ NOTES = [
     "CPU, every thread, nested calls included) per step on rank 0, over 2 steps run after "
     "the timed ones and not timed; ops_over_floor_per_step subtracts the floor's (the "
     "plain local step): the calls the method adds, its compression path and its "
-    "communication's tensor work. On a GPU each leaf call is a kernel launch.",
+    "communication's tensor work. kernels_per_step and kernels_over_floor_per_step count "
+    "only the leaf calls that run a kernel (not views, metadata or allocations): on a GPU, "
+    "the launches.",
 ]
 
 
@@ -487,11 +490,12 @@ def run_benchmark(cfg: BenchConfig) -> Dict[str, Any]:
 
     compute_only = dict(summarize_rounds(per_round[FLOOR_JOB.key]), processes=1)
     methods = {m: summarize_rounds(per_round[m]) for m in cfg.methods}
-    floor_ops = compute_only.get("ops_per_step")
-    if floor_ops is not None:
-        for entry in methods.values():
-            if entry.get("ops_per_step") is not None:
-                entry["ops_over_floor_per_step"] = entry["ops_per_step"] - floor_ops
+    for counted, over in (("ops_per_step", "ops_over_floor_per_step"),
+                          ("kernels_per_step", "kernels_over_floor_per_step")):
+        if compute_only.get(counted) is not None:
+            for entry in methods.values():
+                if entry.get(counted) is not None:
+                    entry[over] = entry[counted] - compute_only[counted]
     diagnostics = {d: summarize_rounds(per_round[d]) for d in diagnostic_keys}
     gradient_bytes = compute_only.get("gradient_bytes")
     ratio = {"gradient_mb": gradient_bytes / 1e6 if gradient_bytes else None,

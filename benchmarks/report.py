@@ -157,8 +157,11 @@ def breakdown(entry: Dict[str, Any], floor: float) -> Dict[str, float]:
     return {"compute": floor, "compression": compression, "exposed_comm": exposed}
 
 
-def _fmt_ops(value: Optional[float]) -> str:
-    return "n/a" if value is None else f"{value:g}"
+def _fmt_ops(value: Optional[float], kernels: Optional[float] = None) -> str:
+    """Operator calls, and the kernels among them where counted: ``1622 (612)``."""
+    if value is None:
+        return "n/a"
+    return f"{value:g}" if kernels is None else f"{value:g} ({kernels:g})"
 
 
 def _fmt(value: Optional[float], digits: int = 3, suffix: str = "") -> str:
@@ -255,7 +258,8 @@ def markdown(results: Dict[str, Any]) -> str:
         *_rounds_paragraph(results),
         "| method | step median (s) [interval] | p10-p90 of all steps (s) | samples/s "
         "| speedup vs S-SGD | x floor | MB sent/step/rank | all-reduces/step "
-        "| compression s/step |" + (" operator calls/step over the floor's |" if ops else ""),
+        "| compression s/step |" + (" operator calls/step over the floor's "
+                                     "(kernels among them) |" if ops else ""),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if ops else ""),
     ]
     for method in _ordered(results["methods"]):
@@ -269,20 +273,22 @@ def markdown(results: Dict[str, Any]) -> str:
                    else _fmt_ratio(find_ratio(results, method, "ssgd"), invert=True))
         compression = fmt_range(entry.get("compression_s_per_step"),
                                 entry.get("compression_s_low"), entry.get("compression_s_high"), 4)
+        kernels = entry.get("kernels_over_floor_per_step")
         lines.append(
             f"| {label} | {_step_range(entry)} "
             f"| {_fmt(entry['step_s_p10'])}-{_fmt(entry['step_s_p90'])} "
             f"| {_fmt(entry['samples_per_s'], 1)} | {speedup} "
             f"| {_fmt_ratio(find_ratio(results, method, FLOOR))} | {mb:.3f} "
             f"| {entry['allreduces_per_step']:g} | {compression} |"
-            + (f" {_fmt_ops(entry.get('ops_over_floor_per_step'))} |" if ops else ""))
+            + (f" {_fmt_ops(entry.get('ops_over_floor_per_step'), kernels)} |" if ops else ""))
     if floor is not None:
         lines.append(
             f"| compute only (floor, 1 process, no communication) "
             f"| {_step_range(floor_entry)} "
             f"| {_fmt(floor_entry.get('step_s_p10'))}-{_fmt(floor_entry.get('step_s_p90'))} "
             f"| {_fmt(floor_entry.get('samples_per_s'), 1)} | | 1.00x | 0 | 0 | 0 |"
-            + (f" 0 ({_fmt_ops(floor_entry['ops_per_step'])} in all) |" if ops else ""))
+            + (f" 0 ({_fmt_ops(floor_entry['ops_per_step'], floor_entry.get('kernels_per_step'))}"
+               " in all) |" if ops else ""))
     lines.append("")
     lines += _comparison_table(results)
     lines += _phase_table(results)

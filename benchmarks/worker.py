@@ -114,17 +114,57 @@ def _train(spec, optimizer, steps: int, warmup: int, rank: int,
             "last_loss": float(loss.detach()) if loss is not None else None}
 
 
-def count_operator_calls(spec, optimizer, steps: int = OPS_STEPS) -> float:
+#: ``aten::`` operators that run no kernel: views and other metadata, the
+#: conjugate-bit checks inside a GEMM, and allocations.
+NO_KERNEL_OPS = frozenset("aten::" + name for name in (
+    "view", "_reshape_alias", "reshape", "t", "transpose", "permute", "numpy_T", "mT",
+    "as_strided", "select", "slice", "unbind", "split", "split_with_sizes", "chunk",
+    "narrow", "expand", "expand_as", "squeeze", "unsqueeze", "alias", "detach",
+    "lift_fresh", "resolve_conj", "resolve_neg", "_has_compatible_shallow_copy_type",
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_",
+    "set_"))
+
+
+def count_calls(events) -> Dict[str, int]:
+    """Operator calls among profiler ``events``: ``ops``, every ``aten::``
+    event (nested ones included), and ``kernels``, the calls that run a
+    kernel themselves: not a view, metadata or allocation
+    (:data:`NO_KERNEL_OPS`), and no call inside them does (an ``aten::linear``
+    counts as its ``aten::mm``, an ``aten::to`` as its ``aten::copy_``). On
+    a GPU, the kernels are the launches."""
+    memo: Dict[int, bool] = {}
+
+    def runs_kernels(event) -> bool:
+        """Whether ``event`` or a call inside it runs a kernel."""
+        key = id(event)
+        if key not in memo:
+            inner = [child for child in event.cpu_children if child.name.startswith("aten::")]
+            memo[key] = (any(runs_kernels(child) for child in inner)
+                         or event.name not in NO_KERNEL_OPS)
+        return memo[key]
+
+    ops = kernels = 0
+    for event in events:
+        if not event.name.startswith("aten::"):
+            continue
+        ops += 1
+        inner = [child for child in event.cpu_children if child.name.startswith("aten::")]
+        if event.name not in NO_KERNEL_OPS and not any(runs_kernels(c) for c in inner):
+            kernels += 1
+    return {"ops": ops, "kernels": kernels}
+
+
+def count_operator_calls(spec, optimizer, steps: int = OPS_STEPS) -> Dict[str, float]:
     """Operator calls per training step: ``aten::`` events that ``torch.profiler``
     records on the CPU during ``steps`` more steps, divided by ``steps``.
 
-    Every call through torch's dispatcher counts, nested ones included (an
-    ``aten::linear`` and the ``aten::addmm`` it calls are two): on a GPU each
-    leaf is a kernel launch, so the count is the device-independent cost of a
-    step's small operations. Every thread is profiled (Kineto's
-    ``profile_all_threads``), so the maths a DDP hook runs in future
-    callbacks on Gloo's threads counts too. The steps train: run them after
-    the timed ones.
+    ``ops_per_step``: every call through torch's dispatcher, nested ones
+    included (an ``aten::linear`` and the ``aten::addmm`` it calls are two),
+    views too; ``kernels_per_step``: the leaves that run a kernel (see
+    :func:`count_calls`), which on a GPU are the launches. Every thread is
+    profiled (Kineto's ``profile_all_threads``), so the maths a DDP hook
+    runs in future callbacks on Gloo's threads counts too. The steps train:
+    run them after the timed ones.
     """
     from torch._C._profiler import _ExperimentalConfig
     from torch.profiler import ProfilerActivity, profile
@@ -133,7 +173,8 @@ def count_operator_calls(spec, optimizer, steps: int = OPS_STEPS) -> float:
     with profile(activities=[ProfilerActivity.CPU], experimental_config=every_thread) as prof:
         for _ in range(steps):
             _step(spec, optimizer)
-    return sum(1 for event in prof.events() if event.name.startswith("aten::")) / steps
+    calls = count_calls(prof.events())
+    return {"ops_per_step": calls["ops"] / steps, "kernels_per_step": calls["kernels"] / steps}
 
 
 def _step(spec, optimizer):
@@ -252,7 +293,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     if chooser is not None:
         result["chosen_ranks"] = chooser()
     if args.count_ops:
-        result["ops_per_step"] = count_operator_calls(spec, optimizer)
+        result.update(count_operator_calls(spec, optimizer))
     if job.probe:
         result["tiny_allreduce_s"] = probe_tiny_allreduce(job.launcher)
     return result

@@ -328,15 +328,22 @@ def baselines_section(results_dir: Path) -> List[str]:
         methods = [m for m in report.KEYS if any(
             (results["methods"].get(m) or {}).get("ops_over_floor_per_step") is not None
             for _, _, results in ops)]
-        lines += ["", "| operator calls over the floor per step | "
+        lines += ["", "| operator calls over the floor per step (kernels among them) | "
                   + " | ".join(f"{title} (`{run}`)" for run, title, _ in ops) + " |",
                   "|---|" + "---:|" * len(ops)]
         for method in methods:
-            cells = [(results["methods"].get(method) or {}).get("ops_over_floor_per_step")
-                     for _, _, results in ops]
-            lines.append(f"| {label(method)} | " + " | ".join(
-                "n/a" if c is None else f"{c:,.0f}" for c in cells) + " |")
+            cells = [results["methods"].get(method) or {} for _, _, results in ops]
+            lines.append(f"| {label(method)} | " + " | ".join(_ops_cell(c) for c in cells) + " |")
     return lines or ["No runs in bench-results/ yet."]
+
+
+def _ops_cell(entry: Dict[str, Any]) -> str:
+    """``2,718 (730)``: operator calls over the floor, and the kernels among them
+    where the run counted them."""
+    calls, kernels = entry.get("ops_over_floor_per_step"), entry.get("kernels_over_floor_per_step")
+    if calls is None:
+        return "n/a"
+    return f"{calls:,.0f}" + ("" if kernels is None else f" ({kernels:,.0f})")
 
 
 def _verdict_word(ratio: Dict[str, Any]) -> str:

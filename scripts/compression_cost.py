@@ -8,8 +8,9 @@ median over ``--steps`` steps of the reducer's compression seconds (the
 maths in the hooks and in step(): projection, residual, orthonormalization,
 reconstruction) and of the step-ahead shift put on and taken off, and the
 operator calls (``aten::`` events of torch.profiler) per step over plain
-torch SGD's. Run it from another checkout (``PYTHONPATH=that/checkout``) to
-compare two versions of the code on the same host.
+torch SGD's, and the kernels among them (views, metadata and allocations
+left out). To compare two versions on the same host, put a folder holding
+the other version's ``hvd_acp`` package (and nothing else) on PYTHONPATH.
 """
 from __future__ import annotations
 
@@ -17,18 +18,28 @@ import argparse
 import statistics
 import time
 
+import sys
+from pathlib import Path
+from typing import Dict
+
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import hvd_acp
-from hvd_acp.plan.models import MODELS, build_model, default_matrix_rank
+# Appended, not inserted: an hvd_acp on PYTHONPATH (the version to compare)
+# comes first; the counting is this checkout's.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+import hvd_acp  # noqa: E402
+from benchmarks.worker import count_calls  # noqa: E402
+from hvd_acp.plan.models import MODELS, build_model, default_matrix_rank  # noqa: E402
 
 
-def operator_calls(step, steps: int = 2) -> float:
+def operator_calls(step, steps: int = 2) -> Dict[str, float]:
+    """Operator calls and kernels per step (see benchmarks.worker.count_calls)."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             step()
-    return sum(1 for e in prof.events() if e.name.startswith("aten::")) / steps
+    return {key: value / steps for key, value in count_calls(prof.events()).items()}
 
 
 def main(argv=None) -> None:
@@ -80,7 +91,10 @@ def main(argv=None) -> None:
           f"compression {statistics.median(compression) * 1e3:.1f} ms per step "
           f"(min {min(compression) * 1e3:.1f}), step-ahead shift on and off "
           f"{statistics.median(shifting) * 1e3:.1f} ms, operator calls per step "
-          f"{calls:.0f} ({calls - floor_calls:.0f} over plain SGD's {floor_calls:.0f})")
+          f"{calls['ops']:.0f} ({calls['ops'] - floor_calls['ops']:.0f} over plain SGD's "
+          f"{floor_calls['ops']:.0f}), kernels {calls['kernels']:.0f} "
+          f"({calls['kernels'] - floor_calls['kernels']:.0f} over plain SGD's "
+          f"{floor_calls['kernels']:.0f})")
 
 
 if __name__ == "__main__":

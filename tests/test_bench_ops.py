@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import report
 from tests.hvdrun import run_with_timeout
@@ -29,6 +30,9 @@ def test_worker_counts_the_calls_a_method_adds_outside_the_timed_steps(tmp_path)
     # orthonormalization and the error feedback, on top of the plain step.
     assert 0 < floor["ops_per_step"] < acp["ops_per_step"]
     assert floor["ops_per_step"] == int(floor["ops_per_step"])
+    # Kernels: a part of the calls (no views, no allocations), more with ACP-SGD.
+    assert 0 < floor["kernels_per_step"] < floor["ops_per_step"]
+    assert floor["kernels_per_step"] < acp["kernels_per_step"] < acp["ops_per_step"]
     assert "ops_per_step" not in _worker("compute", tmp_path)
 
 
@@ -47,6 +51,37 @@ def test_markdown_shows_the_calls_over_the_floor_only_when_counted():
     assert "| 0 (200 in all) |" in text
 
 
+def test_kernels_are_the_calls_that_run_one_themselves():
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.worker import count_calls
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.mm(a, b.t())                       # t (a view) and mm
+        a.view(-1)
+        a.reshape(4, 16)
+        torch.nn.functional.linear(a, b)         # linear -> t, matmul -> mm
+        a.to(torch.float64)                      # to -> _to_copy -> empty_strided, copy_
+    calls = count_calls(prof.events())
+    names = [e.name for e in prof.events() if e.name.startswith("aten::")]
+    assert calls["ops"] == len(names) > 10
+    assert calls["kernels"] == 3                 # mm, mm, copy_
+    assert names.count("aten::mm") == 2 and "aten::copy_" in names
+
+
+def test_markdown_shows_the_kernels_among_the_calls_when_counted():
+    results = _results(FIGURES)
+    results["compute_only"].update(ops_per_step=200.0, kernels_per_step=50.0)
+    for key, entry in results["methods"].items():
+        entry.update(ops_per_step=200.0 + len(key), ops_over_floor_per_step=float(len(key)),
+                     kernels_per_step=51.0, kernels_over_floor_per_step=1.0)
+    text = report.markdown(results)
+    assert "(kernels among them)" in text
+    row = next(line for line in text.splitlines() if line.startswith("| ACP-SGD (hvd_acp"))
+    assert row.endswith("| 3 (1) |")
+    assert "| 0 (200 (50) in all) |" in text
+
+
 @pytest.mark.horovod
 @pytest.mark.timeout(200)
 def test_benchmark_records_operator_calls_per_method(tmp_path):
@@ -58,6 +93,9 @@ def test_benchmark_records_operator_calls_per_method(tmp_path):
     for key in ("acp", "ddp-fp16"):
         entry = results["methods"][key]
         assert entry["ops_over_floor_per_step"] == entry["ops_per_step"] - floor > 0, key
+        assert (entry["kernels_over_floor_per_step"]
+                == entry["kernels_per_step"] - results["compute_only"]["kernels_per_step"]
+                > 0), key
     # ACP-SGD compresses; the fp16 hook only casts each bucket (and back, on
     # Gloo's thread, which the profile covers).
     assert (results["methods"]["acp"]["ops_over_floor_per_step"]
