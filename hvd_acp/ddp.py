@@ -18,10 +18,11 @@ is not imported.
 import contextlib
 import functools
 import logging
+import math
 import threading
 import time
 import weakref
-from typing import Dict, Iterable, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .comm import CommStats
 from .compression import Phase
+from .fusion import TensorLayout
 from .state import CompressionState, describe_differences, nonfinite_names
 from .stepahead import DEFAULT_STEP_AHEAD, StepAhead, check_step_ahead
 
@@ -153,6 +155,8 @@ class ACPState:
         self._iteration_open = False
         self._last_nonfinite: Optional[int] = None
         self._lock = threading.Lock()
+        #: (bucket index, phase, names, layout version, device) -> (payload, slots).
+        self._payloads: Dict[tuple, Tuple[Tensor, List[Tensor]]] = {}
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self._step_ahead: Optional[StepAhead] = None
         self._finalizer = None
@@ -404,21 +408,17 @@ class ACPState:
         world_size = self._world_size()
 
         started = time.perf_counter()
-        sizes = [lay.payload_numel(phase) for lay in layouts]
-        dtype = functools.reduce(torch.promote_types, (lay.dtype for lay in layouts))
-        payload = torch.empty(sum(sizes), dtype=dtype, device=buffer.device)
-        slots = payload.split(sizes)
+        payload, slots = self._payload(bucket.index(), phase, names, layouts, buffer.device)
         compressed = ([n for n in names if n in state.tensors]
                       if phase is not Phase.DENSE else [])
         bases = state.orthonormal_bases(phase, compressed)
-        for name, lay, grad, slot in zip(names, layouts, grads, slots):
+        for name, grad, slot in zip(names, grads, slots):
             if name in bases:
-                state.tensors[name].compress_(phase, grad, bases[name],
-                                              slot.view(lay.payload_shape(phase)))
+                state.tensors[name].compress_(phase, grad, bases[name], slot)
             elif probing and name in state.tensors:
                 state.probe_payload_(name, grad, slot)      # M + E, residual paid
             else:
-                slot.copy_(grad.reshape(-1))
+                slot.copy_(grad if grad.shape == slot.shape else grad.reshape(slot.shape))
         self._spent(time.perf_counter() - started)
 
         with self._lock:
@@ -432,19 +432,20 @@ class ACPState:
         def finish(fut: torch.futures.Future) -> Tensor:
             started = time.perf_counter()
             averaged = fut.value()[0].div_(world_size)
-            bad = (set() if bool(torch.isfinite(averaged).all())
+            # One sum: finite unless an entry is inf or NaN (or the sum
+            # overflows, when the per-slot test finds nothing to repair).
+            bad = (set() if math.isfinite(float(averaged.sum()))
                    else set(nonfinite_names(zip(names, slots))))
             for name, lay, tensor, grad, slot in zip(names, layouts, tensors, grads, slots):
                 if name in bases:
                     direct = grad.dtype == lay.dtype
                     target = grad.view(lay.n, lay.m) if direct else torch.empty(
                         lay.n, lay.m, dtype=lay.dtype, device=grad.device)
-                    tensor.apply_(phase, slot.view(lay.payload_shape(phase)), bases[name],
-                                  target, commit=name not in bad)
+                    tensor.apply_(phase, slot, bases[name], target, commit=name not in bad)
                     if not direct:
                         grad.copy_(target.view(grad.shape))
                 else:
-                    grad.copy_(slot.view(grad.shape))
+                    grad.copy_(slot if slot.shape == grad.shape else slot.view(grad.shape))
                     if probing and tensor is not None and name not in bad:
                         state.probe_(name, slot, iteration)   # rank chosen from the average
             if probing and bucket_is_last:
@@ -460,6 +461,25 @@ class ACPState:
             return buffer
 
         return future.then(finish)
+
+    def _payload(self, index: int, phase: Phase, names: List[str], layouts: List[TensorLayout],
+                 device: torch.device) -> Tuple[Tensor, List[Tensor]]:
+        """The flat buffer one bucket all-reduces in ``phase``, and each member's
+        slot of it shaped as its payload; made once per bucket, phase and
+        layout (the bucket's previous all-reduce is done before its hook runs
+        again: DDP waits for every bucket at the end of backward)."""
+        key = (index, phase, tuple(names), self.compression.layout_version, str(device))
+        cached = self._payloads.get(key)
+        if cached is None:
+            if len(self._payloads) > 64:        # buckets rebuilt or ranks changed often
+                self._payloads.clear()
+            sizes = [lay.payload_numel(phase) for lay in layouts]
+            dtype = functools.reduce(torch.promote_types, (lay.dtype for lay in layouts))
+            payload = torch.empty(sum(sizes), dtype=dtype, device=device)
+            slots = [slot.view(lay.payload_shape(phase))
+                     for slot, lay in zip(payload.split(sizes), layouts)]
+            cached = self._payloads[key] = (payload, slots)
+        return cached
 
     def _spent(self, seconds: float) -> None:
         with self._lock:
