@@ -48,6 +48,9 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--matrix-rank", type=int, default=None)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--optimizer", choices=("acp", "powersgd"), default="acp",
+                        help="hvd_acp.DistributedOptimizer (ACP-SGD) or "
+                             "hvd_acp.PowerSGDOptimizer (Power-SGD), the same arguments")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rank = args.matrix_rank or default_matrix_rank(args.model)
@@ -65,8 +68,10 @@ def main(argv=None) -> None:
 
     spec = build_model(args.model, args.batch_size)
     inner = torch.optim.SGD(spec.model.parameters(), lr=0.01, momentum=0.9)
-    opt = hvd_acp.DistributedOptimizer(inner, spec.model.named_parameters(), matrix_rank=rank,
-                                       communicator=hvd_acp.LocalCommunicator())
+    wrapper = (hvd_acp.DistributedOptimizer if args.optimizer == "acp"
+               else hvd_acp.PowerSGDOptimizer)
+    opt = wrapper(inner, spec.model.named_parameters(), matrix_rank=rank,
+                  communicator=hvd_acp.LocalCommunicator())
     reducer, shift = opt._reducer, opt._step_ahead
 
     def step():
@@ -87,7 +92,8 @@ def main(argv=None) -> None:
         shifting.append(time.perf_counter() - start)
         shift.after_step()
     calls = operator_calls(step)
-    print(f"{hvd_acp.__file__}: {args.model}, batch {args.batch_size}, rank {rank}: "
+    print(f"{hvd_acp.__file__}: {wrapper.__name__}, {args.model}, batch {args.batch_size}, "
+          f"rank {rank}: "
           f"compression {statistics.median(compression) * 1e3:.1f} ms per step "
           f"(min {min(compression) * 1e3:.1f}), step-ahead shift on and off "
           f"{statistics.median(shifting) * 1e3:.1f} ms, operator calls per step "
