@@ -82,6 +82,7 @@ RUNS = (
     ("bert-base_200mbit_baselines", "BERT-Base, S-SGD communication-bound, every baseline "
                                     "and ablation"),
     ("ops_resnet50", "ResNet-50, operator calls per step (localhost)"),
+    ("ops_bert-base", "BERT-Base, operator calls per step (localhost)"),
 )
 
 #: Columns of the targets table: the communication-bound runs.
@@ -188,6 +189,7 @@ ABLATIONS = (
 #: Operator calls per step: (``--count-ops`` run, what it is).
 OPS_RUNS = (
     ("ops_resnet50", "ResNet-50"),
+    ("ops_bert-base", "BERT-Base"),
 )
 
 #: Half-width of ACP-SGD's interval against Power-SGD's step, as a share of its median.
