@@ -412,19 +412,33 @@ class ACPState:
         compressed = ([n for n in names if n in state.tensors]
                       if phase is not Phase.DENSE else [])
         bases = state.orthonormal_bases(phase, compressed)
-        for name, grad, slot in zip(names, grads, slots):
+        sent = []           # (tensor, basis, Q_i^T) of each factor, for its residual
+        for index, (name, grad, slot) in enumerate(zip(names, grads, slots)):
             if name in bases:
-                state.tensors[name].compress_(phase, grad, bases[name], slot)
+                tensor = state.tensors[name]
+                factor_t = tensor.project_(phase, grad, bases[name], slot)
+                sent.append((index, tensor, bases[name], factor_t))
             elif probing and name in state.tensors:
                 state.probe_payload_(name, grad, slot)      # M + E, residual paid
             else:
                 slot.copy_(grad if grad.shape == slot.shape else grad.reshape(slot.shape))
+        if sent and phase is Phase.P:
+            # The all-reduce writes the average over the payload; the
+            # residual needs this rank's P_i.
+            copies = self._copies(payload, bucket.index(), phase, names, layouts)
+            sent = [(i, tensor, basis, copies[i]) for i, tensor, basis, _ in sent]
         self._spent(time.perf_counter() - started)
 
         with self._lock:
             self.comm_stats.allreduces += 1
             self.comm_stats.bytes_sent += payload.numel() * payload.element_size()
         future = dist.all_reduce(payload, group=self.process_group, async_op=True).get_future()
+        # E = A - P_i Qh^T (A - Ph Q_i^T) while the factors are on the wire;
+        # done before the callback is attached, which may then touch E.
+        started = time.perf_counter()
+        for _, tensor, basis, factor in sent:
+            tensor.settle_(phase, basis, factor)
+        self._spent(time.perf_counter() - started)
         self._end_bucket(bucket)
         tensors = [state.tensors.get(n) for n in names]
         bucket_is_last = bucket.is_last()
@@ -480,6 +494,23 @@ class ACPState:
                      for slot, lay in zip(payload.split(sizes), layouts)]
             cached = self._payloads[key] = (payload, slots)
         return cached
+
+    def _copies(self, payload: Tensor, index: int, phase: Phase, names: List[str],
+                layouts: List[TensorLayout]) -> List[Tensor]:
+        """A copy of ``payload`` (bucket ``index``'s, as this rank filled it),
+        shaped per member like :meth:`_payload`'s slots; made once per bucket,
+        phase and layout, like the payload."""
+        key = (index, phase, tuple(names), self.compression.layout_version,
+               str(payload.device), "copy")
+        cached = self._payloads.get(key)
+        if cached is None:
+            copy = torch.empty_like(payload)
+            sizes = [lay.payload_numel(phase) for lay in layouts]
+            cached = self._payloads[key] = (copy, [
+                part.view(lay.payload_shape(phase))
+                for part, lay in zip(copy.split(sizes), layouts)])
+        cached[0].copy_(payload)
+        return cached[1]
 
     def _spent(self, seconds: float) -> None:
         with self._lock:

@@ -139,7 +139,11 @@ def plan_buckets(layouts: Sequence[TensorLayout], phase: Phase,
     phase's compression ratio (payload bytes / gradient bytes over all
     tensors): ACP-SGD issues about as many all-reduces as S-SGD would with
     that threshold, each much smaller. A threshold of 0 puts every tensor in
-    a buffer of its own. Buffers never mix dtypes.
+    a buffer of its own. Before a tensor whose payload alone reaches the
+    target (BERT's word embeddings, last of backward, in a P step), a buffer
+    at least half full of two or more tensors closes early: they are on the
+    wire while that gradient is still being computed. Buffers never mix
+    dtypes.
 
     Args:
         layouts: tensors in registration (forward) order.
@@ -179,10 +183,18 @@ def plan_buckets(layouts: Sequence[TensorLayout], phase: Phase,
     for lay in backward:
         if lay.name in grouped:
             continue
+        nbytes = lay.payload_numel(phase) * _element_size(lay.dtype)
+        if (nbytes >= target and len(open_lists.get(lay.dtype, ())) > 1
+                and 2 * open_bytes[lay.dtype] >= target):
+            # A tensor that fills a buffer by itself travels alone, and a
+            # buffer already half full launches without waiting for its
+            # gradient. A lone tensor before it (its own layer's bias, whose
+            # gradient comes with it) rides along instead.
+            member_lists.append(open_lists.pop(lay.dtype))
+            del open_bytes[lay.dtype]
         current = open_lists.setdefault(lay.dtype, [])
         current.append(lay)
-        open_bytes[lay.dtype] = (open_bytes.get(lay.dtype, 0)
-                                 + lay.payload_numel(phase) * _element_size(lay.dtype))
+        open_bytes[lay.dtype] = open_bytes.get(lay.dtype, 0) + nbytes
         if open_bytes[lay.dtype] >= target:
             member_lists.append(current)
             del open_lists[lay.dtype]

@@ -147,20 +147,25 @@ def _ssgd(fp16: bool):
     return factory
 
 
-def _hvd_acp_optimizer(class_name: str, **preset):
+def _hvd_acp_optimizer(class_name: str, fp16: bool = False, **preset):
     """Factory of one of hvd_acp's Horovod optimizers (``hvd_acp.<class_name>``),
-    with the keyword arguments ``preset`` (an ablation's settings)."""
+    with the keyword arguments ``preset`` (an ablation's settings) and, with
+    ``fp16``, its fused buffers sent in fp16 (``hvd.Compression.fp16``)."""
     def factory(model, optimizer, *, matrix_rank, warmup_steps, ddp_options, **options):
         import hvd_acp
-        clash = sorted(set(preset) & set(options))
+        preset_here = dict(preset)
+        if fp16:
+            import horovod.torch as hvd
+            preset_here["compression"] = hvd.Compression.fp16
+        clash = sorted(set(preset_here) & set(options))
         if clash:
-            raise ValueError(f"{', '.join(clash)} is set by the method ({preset}); "
+            raise ValueError(f"{', '.join(clash)} is set by the method ({preset_here}); "
                              f"got {({k: options[k] for k in clash})}")
         if warmup_steps is not None:
             options["warmup_steps"] = warmup_steps
         wrapped = getattr(hvd_acp, class_name)(
             optimizer, named_parameters=model.named_parameters(), matrix_rank=matrix_rank,
-            **preset, **options)
+            **preset_here, **options)
         return Distributed(model, wrapped, lambda: Counters(
             wrapped.comm_stats.bytes_sent, wrapped.comm_stats.allreduces,
             wrapped.reducer.compression_seconds))
@@ -286,6 +291,10 @@ REGISTRY: Dict[str, Method] = {m.key: m for m in (
            variant_of="powersgd-ddp"),
     Method("acp", "ACP-SGD", "ACP-SGD", "hvd_acp.DistributedOptimizer", HOROVOD,
            _hvd_acp_optimizer("DistributedOptimizer"), "tab:red"),
+    Method("acp-fp16", "ACP-SGD", "ACP-SGD (fp16)",
+           "hvd_acp.DistributedOptimizer, hvd.Compression.fp16", HOROVOD,
+           _hvd_acp_optimizer("DistributedOptimizer", fp16=True), "lightcoral",
+           not_predicted=_NO_FP16_PROFILE, variant_of="acp"),
     Method("acp-nooverlap", "ACP-SGD", "ACP-SGD (no overlap)",
            "hvd_acp.DistributedOptimizer, overlap=False", HOROVOD,
            _hvd_acp_optimizer("DistributedOptimizer", overlap=False), "tab:pink",

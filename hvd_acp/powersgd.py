@@ -47,7 +47,8 @@ class PowerSGDReducer(ACPReducer):
         # Power-SGD multiplies by the previous Q as it is (warm start).
         self._bases_phase = self.phase
 
-    def _compress(self, phase: Phase, name: str, grad: Optional[Tensor], out: Tensor) -> None:
+    def _compress(self, rnd: _Round, b_index: int, name: str, grad: Optional[Tensor],
+                  out: Tensor) -> None:
         # P_i = A Q with A = M + E; the residual waits for the second projection.
         tensor = self.state.tensors[name]
         tensor.compress_(Phase.P, grad, tensor.q, out, residual=False)
@@ -79,10 +80,14 @@ class PowerSGDReducer(ACPReducer):
         orthonormalize_(tensors[name].p for name in compressed)           # Ph = orth(P)
         buckets, buffers, views = self._plan(Phase.Q, tuple(compressed))
         second = _Round(Phase.Q, buckets, buffers, views)
-        for name in compressed:
-            # Q_i = A^T Ph, E = A - Ph Q_i^T: the ACP-SGD Q step on A.
-            tensors[name].compress_(Phase.Q, None, tensors[name].p, self._slot_view(second, name))
+        # Q_i = A^T Ph, then E = A - Ph Q_i^T while Q is on the wire: the
+        # ACP-SGD Q step on A, its residual after the launch as there.
+        sent = [(name, tensors[name].project_(Phase.Q, None, tensors[name].p,
+                                              self._slot_view(second, name)))
+                for name in compressed]
         handles = [self.comm.allreduce_async_(buf, b.name) for b, buf in zip(buckets, buffers)]
+        for name, factor_t in sent:
+            tensors[name].settle_(Phase.Q, tensors[name].p, factor_t)
         waited = time.perf_counter()
         for handle in handles:
             self.comm.synchronize(handle)

@@ -50,8 +50,10 @@ class _Round:
     """Bookkeeping of one communication round (one optimizer step)."""
 
     def __init__(self, phase: Phase, buckets: List[Bucket], buffers: List[Tensor],
-                 views: Dict[str, Tensor]):
+                 views: Dict[str, Tensor], key: Optional[tuple] = None):
         self.phase = phase
+        #: The plan's cache key (:meth:`ACPReducer._plan`).
+        self.key = key
         self.buckets = buckets
         self.buffers = buffers
         #: name -> its slot of a buffer, shaped (made once per plan).
@@ -65,6 +67,9 @@ class _Round:
         self.handles: Dict[int, object] = {}
         self.sparse: Dict[str, object] = {}    # name -> handle of its sparse reduction
         self.densified: Dict[str, int] = {}    # name -> sparse_dim of the gradient received
+        #: b_index -> (name, Q_i^T or None) of the slots whose residual waits
+        #: for the buffer's launch (:meth:`ACPReducer._settle`).
+        self.unsettled: Dict[int, List[Tuple[str, Optional[Tensor]]]] = {}
 
 
 class ACPReducer:
@@ -162,6 +167,9 @@ class ACPReducer:
         self._plans: Dict[tuple, List[Bucket]] = {}
         self._buffers: Dict[tuple, List[Tensor]] = {}
         self._views: Dict[tuple, Dict[str, Tensor]] = {}
+        #: plan key -> copies of a P plan's buffers and their slot views:
+        #: this rank's P_i after its buffer is launched (reduced in place).
+        self._shadows: Dict[tuple, Tuple[List[Tensor], Dict[str, Tensor]]] = {}
         self._hooks: Dict[str, object] = {}
         self._passes: Dict[str, int] = {name: 0 for name in self.params}
         #: Without overlap: names whose last backward pass of the step has
@@ -300,6 +308,7 @@ class ACPReducer:
                 self._plans.clear()
                 self._buffers.clear()
                 self._views.clear()
+                self._shadows.clear()
             layouts = [self.layouts[n] for n in names]
             active = set(names)
             groups = ([[n for n in g if n in active] for g in self.groups]
@@ -322,7 +331,9 @@ class ACPReducer:
             self.register_hooks()
             self._prepare_bases()
             phase = self._round_phase()
-            self._round = _Round(phase, *self._plan(phase, self._active_names()))
+            names = self._active_names()
+            self._round = _Round(phase, *self._plan(phase, names),
+                                 key=(phase, names, self.state.layout_version))
         return self._round
 
     def _slot_view(self, rnd: _Round, name: str) -> Tensor:
@@ -341,9 +352,10 @@ class ACPReducer:
                 "this step's first gradient arrived; change requires_grad only between steps")
         lay = self.layouts[name]
         out = self._slot_view(rnd, name)
+        b_index = rnd.where[name][0]
         if lay.compressed and rnd.phase is not Phase.DENSE and name not in rnd.sparse:
             started = time.perf_counter()
-            self._compress(rnd.phase, name, grad, out)
+            self._compress(rnd, b_index, name, grad, out)
             self.compression_seconds += time.perf_counter() - started
         elif lay.compressed and name not in rnd.sparse and self.state.probing:
             self.state.probe_payload_(name, grad, out)      # M + E, residual paid
@@ -352,25 +364,57 @@ class ACPReducer:
         else:
             out.copy_(grad if grad.shape == out.shape else grad.reshape(out.shape))
         rnd.filled[name] = grad is not None
-        b_index = rnd.where[name][0]
         rnd.ready[b_index] += 1
         if rnd.ready[b_index] == len(rnd.buckets[b_index].slots):
             self._launch(rnd, b_index)
 
     def _launch(self, rnd: _Round, b_index: int) -> None:
+        """Start the buffer's all-reduce, then compute the residuals of its
+        slots while it is on the wire."""
+        unsettled = rnd.unsettled.pop(b_index, None)
+        started = time.perf_counter()
+        shadow = self._shadow(rnd, b_index) if unsettled and rnd.phase is Phase.P else None
         rnd.handles[b_index] = self.comm.allreduce_async_(
             rnd.buffers[b_index], rnd.buckets[b_index].name)
+        if unsettled:
+            self._settle(rnd.phase, unsettled, shadow)
+            self.compression_seconds += time.perf_counter() - started
 
-    def _compress(self, phase: Phase, name: str, grad: Optional[Tensor], out: Tensor) -> None:
-        """This rank's factor of ``name`` into ``out``, with error feedback.
+    def _compress(self, rnd: _Round, b_index: int, name: str, grad: Optional[Tensor],
+                  out: Tensor) -> None:
+        """This rank's factor of ``name`` into ``out``; its residual waits for
+        the launch of buffer ``b_index`` (:meth:`_settle`).
 
         Args:
-            phase: P or Q.
             grad: the gradient (any shape with n * m elements), or None for zero.
             out: shape (n, r) for P, (m, r) for Q; a view into a fused buffer.
         """
-        self.state.tensors[name].compress_(phase, grad, self._bases[name], out,
-                                           record=self._record)
+        factor_t = self.state.tensors[name].project_(rnd.phase, grad, self._bases[name], out,
+                                                     record=self._record)
+        rnd.unsettled.setdefault(b_index, []).append((name, factor_t))
+
+    def _shadow(self, rnd: _Round, b_index: int) -> Dict[str, Tensor]:
+        """A copy of the P buffer ``b_index`` as this rank filled it: the
+        all-reduce writes the average over it, and the residual needs P_i.
+        Returns the copy's slot views by name (made once per plan)."""
+        cached = self._shadows.get(rnd.key)
+        if cached is None:
+            copies = [torch.empty_like(buffer) for buffer in rnd.buffers]
+            views = {slot.name: copy[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                     for bucket, copy in zip(rnd.buckets, copies) for slot in bucket.slots}
+            cached = self._shadows[rnd.key] = (copies, views)
+        cached[0][b_index].copy_(rnd.buffers[b_index])
+        return cached[1]
+
+    def _settle(self, phase: Phase, unsettled: List[Tuple[str, Optional[Tensor]]],
+                shadow: Optional[Dict[str, Tensor]]) -> None:
+        """The residuals ``E = A - P_i Qh^T`` (``E = A - Ph Q_i^T``) of a
+        launched buffer's slots: the same maths as before the launch, done
+        while the factors are on the wire."""
+        tensors, bases = self.state.tensors, self._bases
+        for name, factor_t in unsettled:
+            tensors[name].settle_(phase, bases[name],
+                                  shadow[name] if phase is Phase.P else factor_t)
 
     def _agree_on_state(self) -> None:
         """Check, once, that every rank starts from the same compression state.

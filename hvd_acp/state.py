@@ -134,7 +134,23 @@ class CompressedTensor:
                 residual the second one computes).
             record: a :class:`~hvd_acp.diagnostics.StepRecord` to add to.
 
-        Modifies ``error`` in place.
+        Modifies ``error`` in place. The same as :meth:`project_` followed by
+        :meth:`settle_`, which a front end calls apart to put ``out`` on the
+        wire before the residual's GEMM.
+        """
+        factor_t = self.project_(phase, grad, basis, out, record=record)
+        if residual:
+            self.settle_(phase, basis, out if phase is Phase.P else factor_t)
+
+    def project_(self, phase: Phase, grad: Optional[Tensor], basis: Tensor, out: Tensor, *,
+                 record=None) -> Optional[Tensor]:
+        """The first half of :meth:`compress_`: ``A = M + E`` (in ``error``)
+        and this rank's factor ``A @ basis`` into ``out``.
+
+        Returns:
+            For a Q step ``Q_i^T`` (r, m), which :meth:`settle_` takes; for a
+            P step None: :meth:`settle_` takes ``P_i`` itself, ``out`` or a
+            copy of it (an all-reduce in place overwrites ``out``).
         """
         error = self.error
         if grad is None:
@@ -144,18 +160,23 @@ class CompressedTensor:
             matrix, grad = grad, None
         else:
             matrix = grad = _as_matrix(grad, self.layout)
+        factor_t = None
         if phase is Phase.P:
             compress_(grad, error, basis, out)        # A = M + E, P_i = A Qh
         else:
             factor_t = compress_columns_(grad, error, basis, out)   # Q_i = A^T Ph
         if record is not None:
             record.add_compressed(matrix, error, out)   # norms: either orientation
-        if not residual:
-            return
+        return factor_t
+
+    def settle_(self, phase: Phase, basis: Tensor, factor: Tensor) -> None:
+        """The second half of :meth:`compress_`: ``E = A - P_i Qh^T`` (P step,
+        ``factor`` is ``P_i`` (n, r)) or ``E = A - Ph Q_i^T`` (Q step,
+        ``factor`` is the ``Q_i^T`` (r, m) :meth:`project_` returned)."""
         if phase is Phase.P:
-            local_residual_(error, out, basis, self._transpose(basis))   # E = A - P_i Qh^T
+            local_residual_(self.error, factor, basis, self._transpose(basis))
         else:
-            local_residual_columns_(error, basis, factor_t)        # E = A - Ph Q_i^T
+            local_residual_columns_(self.error, basis, factor)
 
     def _transpose(self, basis: Tensor) -> Tensor:
         """``basis.T``, made once per basis."""

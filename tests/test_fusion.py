@@ -88,8 +88,39 @@ def test_every_full_buffer_just_reaches_the_scaled_target(phase, threshold):
     for i, bucket in enumerate(buckets):
         sizes = [_nbytes(by_name[s.name], phase) for s in bucket.slots]
         assert sum(sizes[:-1]) < target
-        if i < len(buckets) - 1:
+        if i < len(buckets) - 1 and sum(sizes) < target:
+            # Closed early: the next buffer is one tensor that fills it alone.
+            following = buckets[i + 1].slots
+            assert len(following) == 1
+            assert _nbytes(by_name[following[0].name], phase) >= target
+        elif i < len(buckets) - 1:
             assert sum(sizes) >= target
+
+
+@pytest.mark.parametrize("phase", [Phase.P, Phase.DENSE])
+def test_a_tensor_that_fills_a_buffer_alone_does_not_hold_back_the_ones_before_it(phase):
+    # Backward order: three small matrices, then a tall one (a language
+    # model's word embeddings, whose gradient comes last), whose P factor
+    # and gradient are 16x a small one's. With a target of four small
+    # payloads the three small ones would wait in the tall one's buffer.
+    specs = [("emb", (1024, 64), F32), ("s2", (64, 64), F32),
+             ("s1", (64, 64), F32), ("s0", (64, 64), F32)]
+    layouts = _layouts(specs)
+    by_name = {l.name: l for l in layouts}
+    small, big = _nbytes(by_name["s0"], phase), _nbytes(by_name["emb"], phase)
+    assert big == 16 * small
+    grad_bytes = sum(l.numel * 4 for l in layouts)
+    payload_bytes = sum(_nbytes(l, phase) for l in layouts)
+    threshold = 4 * small * grad_bytes // payload_bytes
+    assert _members(plan_buckets(layouts, phase, threshold)) == [["s0", "s1", "s2"], ["emb"]]
+    # Below its own size the tall one still shares a buffer: [s0, s1, s2, emb]
+    # fill one target of 19 small payloads.
+    threshold = 19 * small * grad_bytes // payload_bytes
+    assert _members(plan_buckets(layouts, phase, threshold)) == [["s0", "s1", "s2", "emb"]]
+    # A buffer less than half full rides along: at a target of 7 small
+    # payloads, three small ones (3/7) wait for the tall one.
+    threshold = 7 * small * grad_bytes // payload_bytes
+    assert _members(plan_buckets(layouts, phase, threshold)) == [["s0", "s1", "s2", "emb"]]
 
 
 def test_names_are_deterministic_unique_and_contain_the_phase():

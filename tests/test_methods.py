@@ -16,7 +16,8 @@ from tests.hvdrun import horovodrun, rank_lines, torchrun
 
 def test_every_method_is_declared_once_in_report_order():
     assert KEYS == ("ssgd", "ssgd-fp16", "ddp", "ddp-fp16", "powersgd", "powersgd-ddp",
-                    "powersgd-ddp-batched", "acp", "acp-nooverlap", "acp-nofusion", "acp-ddp")
+                    "powersgd-ddp-batched", "acp", "acp-fp16", "acp-nooverlap", "acp-nofusion",
+                    "acp-ddp")
     for key, method in REGISTRY.items():
         assert method.key == key and method.launcher in (HOROVOD, TORCHRUN)
         assert method.title == f"{method.algorithm} ({method.implementation})"
@@ -24,7 +25,7 @@ def test_every_method_is_declared_once_in_report_order():
     assert methods.label("powersgd") == "Power-SGD (hvd_acp)"
     assert REGISTRY["acp-ddp"].title == "ACP-SGD (DDP hvd_acp.ddp.acp_hook)"
     assert [m.key for m in REGISTRY.values() if m.launcher == HOROVOD] == [
-        "ssgd", "ssgd-fp16", "powersgd", "acp", "acp-nooverlap", "acp-nofusion"]
+        "ssgd", "ssgd-fp16", "powersgd", "acp", "acp-fp16", "acp-nooverlap", "acp-nofusion"]
     assert len({m.color for m in REGISTRY.values()}) == len(REGISTRY)
     with pytest.raises(ValueError, match="method must be one of ssgd, ssgd-fp16, ddp, .*, got .topk."):
         methods.get("topk")
@@ -39,8 +40,8 @@ def test_variants_name_a_reference_of_their_algorithm_and_launcher():
     for key, method in REGISTRY.items():
         if method.variant_of is not None:
             assert references[(method.algorithm, method.launcher)] == method.variant_of, key
-    assert {k for k, m in REGISTRY.items() if m.variant_of == "acp"} == {"acp-nooverlap",
-                                                                         "acp-nofusion"}
+    assert {k for k, m in REGISTRY.items() if m.variant_of == "acp"} == {
+        "acp-fp16", "acp-nooverlap", "acp-nofusion"}
 
 
 def test_the_planner_predicts_the_methods_the_registry_does_not_exempt():
@@ -66,6 +67,8 @@ def test_build_refuses_settings_a_method_cannot_take():
         methods.get("acp-nofusion").build(model, opt, fusion_threshold_bytes=1024)
     with pytest.raises(ValueError, match="compression is set by the method"):
         methods.get("ssgd-fp16").build(model, opt, compression=None)
+    with pytest.raises(ValueError, match="compression is set by the method"):
+        methods.get("acp-fp16").build(model, opt, compression=None)
     for key in ("ssgd-fp16", "ddp", "ddp-fp16"):
         with pytest.raises(ValueError, match="S-SGD averages every step exactly"):
             methods.get(key).build(model, opt, warmup_steps=3)
@@ -219,7 +222,7 @@ def _steady(values, skip=0):
 
 @pytest.fixture(scope="module")
 def horovod_runs():
-    keys = ("ssgd", "ssgd-fp16", "acp", "acp-nooverlap", "acp-nofusion")
+    keys = ("ssgd", "ssgd-fp16", "acp", "acp-fp16", "acp-nooverlap", "acp-nofusion")
     out = horovodrun("methods_cases.py", "horovod", *keys, timeout=240).stdout
     assert sorted(rank_lines(out, "OK horovod")) == ["0", "1"], out[-4000:]
     return {key: entries[0] for key, entries in _results(out).items()}
@@ -255,6 +258,11 @@ def test_horovod_methods_at_two_ranks_count_their_bytes(horovod_runs):
     assert horovod_runs["acp-nooverlap"]["allreduces_per_step"] == acp["allreduces_per_step"]
     assert _steady(horovod_runs["acp-nofusion"]["allreduces_per_step"]) == tensors
     assert _steady(acp["allreduces_per_step"]) < tensors
+    # fp16 on the wire: the same factors, half the bytes, other bits.
+    half = horovod_runs["acp-fp16"]
+    assert [2 * b for b in half["bytes_per_step"]] == acp["bytes_per_step"]
+    assert half["allreduces_per_step"] == acp["allreduces_per_step"]
+    assert half["digest"] != acp["digest"]
 
 
 def test_ddp_methods_at_two_ranks_count_their_bytes(torchrun_runs, horovod_runs):

@@ -198,6 +198,56 @@ def test_error_feedback_identity_through_the_optimizer(cls, scale):
             assert errors[name].abs().max() > 0
 
 
+class _InPlaceCommunicator(hvd_acp.LocalCommunicator):
+    """Writes the reduced value over the buffer as soon as it is launched
+    (Horovod reduces in place, on its own thread, while backward goes on),
+    and records each compressed tensor's residual buffer at that moment."""
+
+    def __init__(self, scale, errors):
+        super().__init__(scale)
+        self.errors = errors
+        self.at_launch = {}
+
+    def allreduce_async_(self, tensor, name):
+        for key, error in self.errors().items():
+            if key in name:
+                self.at_launch[key] = error.clone()
+        handle = super().allreduce_async_(tensor, name)
+        tensor.mul_(self.scale)
+        return handle
+
+    def synchronize(self, handle):
+        pass
+
+
+@pytest.mark.parametrize("threshold", [0, 1 << 30])
+def test_residual_is_computed_after_the_launch_from_the_factor_as_sent(threshold):
+    """A buffer goes on the wire before its residuals' GEMMs: at the launch
+    the residual still holds A = M + E, and afterwards E = A - P_i Qh^T with
+    this rank's own P_i, not the reduced values the all-reduce wrote over it."""
+    model = _conv_net(F64)
+    comm = _InPlaceCommunicator(3.0, lambda: opt.reducer.errors)
+    opt = hvd_acp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+        matrix_rank=2, fusion_threshold_bytes=threshold, communicator=comm)
+    errors = opt.reducer.errors
+    for step in range(4):
+        before = {n: e.clone() for n, e in errors.items()}
+        comm.at_launch.clear()
+        opt.zero_grad()
+        _backward(model, _conv_input(step, F64))
+        local = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        params = dict(model.named_parameters())
+        for name in ConvNet.COMPRESSED:
+            shape = errors[name].shape
+            a = local[name].reshape(shape) + before[name]
+            if threshold == 0:      # one buffer per tensor, named after it
+                assert_close(comm.at_launch[name], a)
+            assert_close(a, params[name].grad.reshape(shape) / 3.0 + errors[name])
+            assert (errors[name] - a).abs().max() > 0
+
+
 def _square_net(width=10, seed=0):
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(width, width, bias=False), nn.Tanh(),
