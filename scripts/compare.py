@@ -101,6 +101,9 @@ METHODS = tuple((m.algorithm, m.key, ()) for m in REGISTRY.values()
                 if m.launcher == HOROVOD and m.variant_of is None)
 # Two settings compared with ACP-SGD's defaults on the LM: a higher rank, and
 # exact steps before compression starts (see lm-sweep).
+# ACP-SGD with its fused buffers in fp16 on the wire (half the bytes), on
+# the digits: the fair counterpart of S-SGD with fp16 gradients.
+DIGITS_VARIANTS = (("ACP-SGD, fp16 on the wire", "acp-fp16", ()),)
 LM_ACP_SETTINGS = (("ACP-SGD, rank 48", "acp", ("--matrix-rank", "48")),
                    ("ACP-SGD, warm-up 300", "acp", ("--warmup-steps", "300")))
 
@@ -154,7 +157,7 @@ def grid_runs(seeds: Sequence[int]) -> List[Run]:
 def make_tasks(args) -> List[Task]:
     tasks = []
     digits_runs = [Run(label, opt, seed, extra) for seed in args.seeds
-                   for label, opt, extra in METHODS]
+                   for label, opt, extra in (*METHODS, *DIGITS_VARIANTS)]
     if "digits" in args.tasks:
         tasks.append(Task("digits", "train.py",
                           "Digits CNN (scikit-learn handwritten digits, 8x8)", digits_runs))
