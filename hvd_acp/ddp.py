@@ -157,6 +157,8 @@ class ACPState:
         self._lock = threading.Lock()
         #: (bucket index, phase, names, layout version, device) -> (payload, slots).
         self._payloads: Dict[tuple, Tuple[Tensor, List[Tensor]]] = {}
+        #: name -> a copy of this rank's P_i, for the residual computed after the launch.
+        self._sent: Dict[str, Tensor] = {}
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self._step_ahead: Optional[StepAhead] = None
         self._finalizer = None
@@ -412,33 +414,37 @@ class ACPState:
         compressed = ([n for n in names if n in state.tensors]
                       if phase is not Phase.DENSE else [])
         bases = state.orthonormal_bases(phase, compressed)
-        sent = []           # (tensor, basis, Q_i^T) of each factor, for its residual
+        # Each residual right after its projection, while A is in the cache,
+        # but the last one's after the launch, which it would delay.
+        last = max((i for i, n in enumerate(names) if n in bases), default=None)
+        unsettled = None
         for index, (name, grad, slot) in enumerate(zip(names, grads, slots)):
             if name in bases:
-                tensor = state.tensors[name]
-                factor_t = tensor.project_(phase, grad, bases[name], slot)
-                sent.append((index, tensor, bases[name], factor_t))
+                tensor, basis = state.tensors[name], bases[name]
+                factor_t = tensor.project_(phase, grad, basis, slot)
+                factor = slot if phase is Phase.P else factor_t
+                if index != last:
+                    tensor.settle_(phase, basis, factor)
+                else:
+                    # The all-reduce writes the average over the slot.
+                    unsettled = (tensor, basis, self._sent_copy(name, slot)
+                                 if phase is Phase.P else factor)
             elif probing and name in state.tensors:
                 state.probe_payload_(name, grad, slot)      # M + E, residual paid
             else:
                 slot.copy_(grad if grad.shape == slot.shape else grad.reshape(slot.shape))
-        if sent and phase is Phase.P:
-            # The all-reduce writes the average over the payload; the
-            # residual needs this rank's P_i.
-            copies = self._copies(payload, bucket.index(), phase, names, layouts)
-            sent = [(i, tensor, basis, copies[i]) for i, tensor, basis, _ in sent]
         self._spent(time.perf_counter() - started)
 
         with self._lock:
             self.comm_stats.allreduces += 1
             self.comm_stats.bytes_sent += payload.numel() * payload.element_size()
         future = dist.all_reduce(payload, group=self.process_group, async_op=True).get_future()
-        # E = A - P_i Qh^T (A - Ph Q_i^T) while the factors are on the wire;
-        # done before the callback is attached, which may then touch E.
-        started = time.perf_counter()
-        for _, tensor, basis, factor in sent:
+        if unsettled is not None:
+            # Before the callback is attached, which may then touch E.
+            started = time.perf_counter()
+            tensor, basis, factor = unsettled
             tensor.settle_(phase, basis, factor)
-        self._spent(time.perf_counter() - started)
+            self._spent(time.perf_counter() - started)
         self._end_bucket(bucket)
         tensors = [state.tensors.get(n) for n in names]
         bucket_is_last = bucket.is_last()
@@ -495,22 +501,12 @@ class ACPState:
             cached = self._payloads[key] = (payload, slots)
         return cached
 
-    def _copies(self, payload: Tensor, index: int, phase: Phase, names: List[str],
-                layouts: List[TensorLayout]) -> List[Tensor]:
-        """A copy of ``payload`` (bucket ``index``'s, as this rank filled it),
-        shaped per member like :meth:`_payload`'s slots; made once per bucket,
-        phase and layout, like the payload."""
-        key = (index, phase, tuple(names), self.compression.layout_version,
-               str(payload.device), "copy")
-        cached = self._payloads.get(key)
-        if cached is None:
-            copy = torch.empty_like(payload)
-            sizes = [lay.payload_numel(phase) for lay in layouts]
-            cached = self._payloads[key] = (copy, [
-                part.view(lay.payload_shape(phase))
-                for part, lay in zip(copy.split(sizes), layouts)])
-        cached[0].copy_(payload)
-        return cached[1]
+    def _sent_copy(self, name: str, factor: Tensor) -> Tensor:
+        """``factor`` copied into a buffer of ``name``'s own (made once per shape)."""
+        copy = self._sent.get(name)
+        if copy is None or copy.shape != factor.shape or copy.dtype != factor.dtype:
+            copy = self._sent[name] = torch.empty_like(factor)
+        return copy.copy_(factor)
 
     def _spent(self, seconds: float) -> None:
         with self._lock:

@@ -80,14 +80,10 @@ class PowerSGDReducer(ACPReducer):
         orthonormalize_(tensors[name].p for name in compressed)           # Ph = orth(P)
         buckets, buffers, views = self._plan(Phase.Q, tuple(compressed))
         second = _Round(Phase.Q, buckets, buffers, views)
-        # Q_i = A^T Ph, then E = A - Ph Q_i^T while Q is on the wire: the
-        # ACP-SGD Q step on A, its residual after the launch as there.
-        sent = [(name, tensors[name].project_(Phase.Q, None, tensors[name].p,
-                                              self._slot_view(second, name)))
-                for name in compressed]
+        for name in compressed:
+            # Q_i = A^T Ph, E = A - Ph Q_i^T: the ACP-SGD Q step on A.
+            tensors[name].compress_(Phase.Q, None, tensors[name].p, self._slot_view(second, name))
         handles = [self.comm.allreduce_async_(buf, b.name) for b, buf in zip(buckets, buffers)]
-        for name, factor_t in sent:
-            tensors[name].settle_(Phase.Q, tensors[name].p, factor_t)
         waited = time.perf_counter()
         for handle in handles:
             self.comm.synchronize(handle)

@@ -50,10 +50,8 @@ class _Round:
     """Bookkeeping of one communication round (one optimizer step)."""
 
     def __init__(self, phase: Phase, buckets: List[Bucket], buffers: List[Tensor],
-                 views: Dict[str, Tensor], key: Optional[tuple] = None):
+                 views: Dict[str, Tensor]):
         self.phase = phase
-        #: The plan's cache key (:meth:`ACPReducer._plan`).
-        self.key = key
         self.buckets = buckets
         self.buffers = buffers
         #: name -> its slot of a buffer, shaped (made once per plan).
@@ -67,9 +65,9 @@ class _Round:
         self.handles: Dict[int, object] = {}
         self.sparse: Dict[str, object] = {}    # name -> handle of its sparse reduction
         self.densified: Dict[str, int] = {}    # name -> sparse_dim of the gradient received
-        #: b_index -> (name, Q_i^T or None) of the slots whose residual waits
-        #: for the buffer's launch (:meth:`ACPReducer._settle`).
-        self.unsettled: Dict[int, List[Tuple[str, Optional[Tensor]]]] = {}
+        #: b_index -> (name, the factor its residual needs) of the slot that
+        #: completed the buffer, whose residual waits for the launch.
+        self.unsettled: Dict[int, Tuple[str, Tensor]] = {}
 
 
 class ACPReducer:
@@ -167,9 +165,9 @@ class ACPReducer:
         self._plans: Dict[tuple, List[Bucket]] = {}
         self._buffers: Dict[tuple, List[Tensor]] = {}
         self._views: Dict[tuple, Dict[str, Tensor]] = {}
-        #: plan key -> copies of a P plan's buffers and their slot views:
-        #: this rank's P_i after its buffer is launched (reduced in place).
-        self._shadows: Dict[tuple, Tuple[List[Tensor], Dict[str, Tensor]]] = {}
+        #: name -> a copy of this rank's P_i, for the residual of a slot that
+        #: completes its buffer (the all-reduce writes the average over it).
+        self._sent: Dict[str, Tensor] = {}
         self._hooks: Dict[str, object] = {}
         self._passes: Dict[str, int] = {name: 0 for name in self.params}
         #: Without overlap: names whose last backward pass of the step has
@@ -308,7 +306,7 @@ class ACPReducer:
                 self._plans.clear()
                 self._buffers.clear()
                 self._views.clear()
-                self._shadows.clear()
+                self._sent.clear()
             layouts = [self.layouts[n] for n in names]
             active = set(names)
             groups = ([[n for n in g if n in active] for g in self.groups]
@@ -331,9 +329,7 @@ class ACPReducer:
             self.register_hooks()
             self._prepare_bases()
             phase = self._round_phase()
-            names = self._active_names()
-            self._round = _Round(phase, *self._plan(phase, names),
-                                 key=(phase, names, self.state.layout_version))
+            self._round = _Round(phase, *self._plan(phase, self._active_names()))
         return self._round
 
     def _slot_view(self, rnd: _Round, name: str) -> Tensor:
@@ -369,52 +365,42 @@ class ACPReducer:
             self._launch(rnd, b_index)
 
     def _launch(self, rnd: _Round, b_index: int) -> None:
-        """Start the buffer's all-reduce, then compute the residuals of its
-        slots while it is on the wire."""
-        unsettled = rnd.unsettled.pop(b_index, None)
-        started = time.perf_counter()
-        shadow = self._shadow(rnd, b_index) if unsettled and rnd.phase is Phase.P else None
+        """Start the buffer's all-reduce; then, while it is on the wire, the
+        residual of the slot whose factor completed it."""
         rnd.handles[b_index] = self.comm.allreduce_async_(
             rnd.buffers[b_index], rnd.buckets[b_index].name)
-        if unsettled:
-            self._settle(rnd.phase, unsettled, shadow)
+        unsettled = rnd.unsettled.pop(b_index, None)
+        if unsettled is not None:
+            started = time.perf_counter()
+            name, factor = unsettled
+            self.state.tensors[name].settle_(rnd.phase, self._bases[name], factor)
             self.compression_seconds += time.perf_counter() - started
 
     def _compress(self, rnd: _Round, b_index: int, name: str, grad: Optional[Tensor],
                   out: Tensor) -> None:
-        """This rank's factor of ``name`` into ``out``; its residual waits for
-        the launch of buffer ``b_index`` (:meth:`_settle`).
+        """This rank's factor of ``name`` into ``out``, with error feedback.
+
+        The residual is computed right away, while ``A`` is still in the
+        cache, except for the slot that completes buffer ``b_index``: its
+        residual would delay the launch, and waits for it (:meth:`_launch`),
+        computed from a copy of ``P_i`` (a Q step's ``Q_i^T`` is apart anyway).
 
         Args:
             grad: the gradient (any shape with n * m elements), or None for zero.
             out: shape (n, r) for P, (m, r) for Q; a view into a fused buffer.
         """
-        factor_t = self.state.tensors[name].project_(rnd.phase, grad, self._bases[name], out,
-                                                     record=self._record)
-        rnd.unsettled.setdefault(b_index, []).append((name, factor_t))
-
-    def _shadow(self, rnd: _Round, b_index: int) -> Dict[str, Tensor]:
-        """A copy of the P buffer ``b_index`` as this rank filled it: the
-        all-reduce writes the average over it, and the residual needs P_i.
-        Returns the copy's slot views by name (made once per plan)."""
-        cached = self._shadows.get(rnd.key)
-        if cached is None:
-            copies = [torch.empty_like(buffer) for buffer in rnd.buffers]
-            views = {slot.name: copy[slot.offset:slot.offset + slot.numel].view(slot.shape)
-                     for bucket, copy in zip(rnd.buckets, copies) for slot in bucket.slots}
-            cached = self._shadows[rnd.key] = (copies, views)
-        cached[0][b_index].copy_(rnd.buffers[b_index])
-        return cached[1]
-
-    def _settle(self, phase: Phase, unsettled: List[Tuple[str, Optional[Tensor]]],
-                shadow: Optional[Dict[str, Tensor]]) -> None:
-        """The residuals ``E = A - P_i Qh^T`` (``E = A - Ph Q_i^T``) of a
-        launched buffer's slots: the same maths as before the launch, done
-        while the factors are on the wire."""
-        tensors, bases = self.state.tensors, self._bases
-        for name, factor_t in unsettled:
-            tensors[name].settle_(phase, bases[name],
-                                  shadow[name] if phase is Phase.P else factor_t)
+        tensor, basis, phase = self.state.tensors[name], self._bases[name], rnd.phase
+        factor_t = tensor.project_(phase, grad, basis, out, record=self._record)
+        factor = out if phase is Phase.P else factor_t
+        if rnd.ready[b_index] + 1 < len(rnd.buckets[b_index].slots):
+            tensor.settle_(phase, basis, factor)
+            return
+        if phase is Phase.P:
+            sent = self._sent.get(name)
+            if sent is None or sent.shape != out.shape or sent.dtype != out.dtype:
+                sent = self._sent[name] = torch.empty_like(out)
+            factor = sent.copy_(out)
+        rnd.unsettled[b_index] = (name, factor)
 
     def _agree_on_state(self) -> None:
         """Check, once, that every rank starts from the same compression state.

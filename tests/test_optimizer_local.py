@@ -222,9 +222,11 @@ class _InPlaceCommunicator(hvd_acp.LocalCommunicator):
 
 @pytest.mark.parametrize("threshold", [0, 1 << 30])
 def test_residual_is_computed_after_the_launch_from_the_factor_as_sent(threshold):
-    """A buffer goes on the wire before its residuals' GEMMs: at the launch
-    the residual still holds A = M + E, and afterwards E = A - P_i Qh^T with
-    this rank's own P_i, not the reduced values the all-reduce wrote over it."""
+    """The factor that completes a buffer goes on the wire before its
+    residual's GEMM: at the launch its residual still holds A = M + E (one
+    buffer per tensor: every tensor), and afterwards E = A - P_i Qh^T with
+    this rank's own P_i, not the reduced values the all-reduce wrote over it
+    (one buffer for all: the other tensors' residuals, computed before)."""
     model = _conv_net(F64)
     comm = _InPlaceCommunicator(3.0, lambda: opt.reducer.errors)
     opt = hvd_acp.DistributedOptimizer(
