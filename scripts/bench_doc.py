@@ -178,6 +178,10 @@ BASELINE_TARGETS = (
            "acp", "powersgd", "compression", 0.6, False),
     *(Target(f"ACP-SGD faster than {label(m)} (its step / ACP-SGD's > 1)",
              m, "acp", "step", 1.0, True) for m in BASELINES),
+    Target("ACP-SGD (fp16) within 1.20x of the floor (BERT-Base's target)", "acp-fp16",
+           report.FLOOR, "step", 1.20, False, runs=("bert-base_200mbit_baselines",)),
+    Target("ACP-SGD (fp16) faster than S-SGD (fp16) (its step / ACP-SGD (fp16)'s > 1)",
+           "ssgd-fp16", "acp-fp16", "step", 1.0, True),
 )
 #: What each ablation of ACP-SGD is worth: the ablation's step over ACP-SGD's.
 ABLATIONS = (
@@ -185,6 +189,7 @@ ABLATIONS = (
                       "all-reduced after backward (alternating Power-SGD as epfml's "
                       "`powersgd` runs it)"),
     ("acp-nofusion", "fusion: one all-reduce per tensor, still launched from the hooks"),
+    ("acp-fp16", "fp32 on the wire: the same buffers sent in fp16, half the bytes"),
 )
 #: Operator calls per step: (``--count-ops`` run, what it is).
 OPS_RUNS = (
