@@ -184,18 +184,26 @@ def test_error_feedback_identity_through_the_optimizer(cls, scale):
     errors = opt.reducer.errors
     assert set(errors) == ConvNet.COMPRESSED
     for step in range(4):
-        before = {n: e.clone() for n, e in errors.items()}
-        opt.zero_grad()
-        _backward(model, _conv_input(step, F64))
-        local = {n: p.grad.clone() for n, p in model.named_parameters()}
         # The hooks add the gradient to the residual and subtract what is sent.
-        opt.step()
-        params = dict(model.named_parameters())
+        a, applied = _step_with_residual(opt, model, step)
         for name in ConvNet.COMPRESSED:
-            shape = errors[name].shape
-            assert_close(local[name].reshape(shape) + before[name],
-                         params[name].grad.reshape(shape) / scale + errors[name])
+            assert_close(a[name], applied[name] / scale + errors[name])
             assert errors[name].abs().max() > 0
+
+
+def _step_with_residual(opt, model, step):
+    """One step of ``model`` (a ConvNet in float64); returns, per compressed
+    name as an (n, m) matrix, ``A = M + E`` (this rank's gradient plus the
+    residual before the step) and the gradient handed to the optimizer."""
+    errors = opt.reducer.errors
+    before = {n: e.clone() for n, e in errors.items()}
+    opt.zero_grad()
+    _backward(model, _conv_input(step, F64))
+    local = {n: p.grad.clone() for n, p in model.named_parameters()}
+    opt.step()
+    params = dict(model.named_parameters())
+    return ({n: local[n].reshape(e.shape) + before[n] for n, e in errors.items()},
+            {n: params[n].grad.reshape(e.shape) for n, e in errors.items()})
 
 
 class _InPlaceCommunicator(hvd_acp.LocalCommunicator):
@@ -234,20 +242,13 @@ def test_residual_is_computed_after_the_launch_from_the_factor_as_sent(threshold
         matrix_rank=2, fusion_threshold_bytes=threshold, communicator=comm)
     errors = opt.reducer.errors
     for step in range(4):
-        before = {n: e.clone() for n, e in errors.items()}
         comm.at_launch.clear()
-        opt.zero_grad()
-        _backward(model, _conv_input(step, F64))
-        local = {n: p.grad.clone() for n, p in model.named_parameters()}
-        opt.step()
-        params = dict(model.named_parameters())
+        a, applied = _step_with_residual(opt, model, step)
         for name in ConvNet.COMPRESSED:
-            shape = errors[name].shape
-            a = local[name].reshape(shape) + before[name]
             if threshold == 0:      # one buffer per tensor, named after it
-                assert_close(comm.at_launch[name], a)
-            assert_close(a, params[name].grad.reshape(shape) / 3.0 + errors[name])
-            assert (errors[name] - a).abs().max() > 0
+                assert_close(comm.at_launch[name], a[name])
+            assert_close(a[name], applied[name] / 3.0 + errors[name])
+            assert (errors[name] - a[name]).abs().max() > 0
 
 
 def _square_net(width=10, seed=0):
