@@ -8,11 +8,13 @@ from .compression import Phase
 from .comm import CommStats, Communicator, HorovodCommunicator, LocalCommunicator
 from .optimizer import DistributedOptimizer
 from .powersgd import PowerSGDOptimizer
+from .settings import Settings
 
 __version__ = "0.1.0"
 
-__all__ = ["DistributedOptimizer", "PowerSGDOptimizer", "AutoRank", "Phase", "CommStats",
-           "Communicator", "HorovodCommunicator", "LocalCommunicator", "__version__"]
+__all__ = ["DistributedOptimizer", "PowerSGDOptimizer", "Settings", "AutoRank", "Phase",
+           "CommStats", "Communicator", "HorovodCommunicator", "LocalCommunicator",
+           "__version__"]
 
 
 def __getattr__(name):

@@ -2,9 +2,11 @@
 
 The optimizer and the reducer only see the small :class:`Communicator`
 interface. :class:`HorovodCommunicator` runs named asynchronous Horovod
-all-reduces (Gloo, MPI or NCCL, whatever Horovod was built with);
-:class:`LocalCommunicator` is the world-size-1 path used by single-process
-unit tests and needs no ``hvd.init()``.
+all-reduces (Gloo, MPI or NCCL, whatever Horovod was built with) and checks
+the Horovod arguments ACP-SGD cannot honour; :class:`LocalCommunicator` is
+the world-size-1 path used by single-process unit tests and needs no
+``hvd.init()``. :func:`gather_objects` is the DDP hook's cross-rank check's
+collective, over ``torch.distributed``.
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from typing import Any, List
 import torch
 from torch import Tensor
 
-__all__ = ["CommStats", "Communicator", "HorovodCommunicator", "LocalCommunicator"]
+__all__ = ["CommStats", "Communicator", "HorovodCommunicator", "LocalCommunicator",
+           "gather_objects"]
 
 
 @dataclasses.dataclass
@@ -32,10 +35,6 @@ class CommStats:
 
     allreduces: int = 0
     bytes_sent: int = 0
-
-    def reset(self) -> None:
-        self.allreduces = 0
-        self.bytes_sent = 0
 
 
 class Communicator:
@@ -65,6 +64,11 @@ class Communicator:
     def included(self) -> bool:
         """Whether this process takes part in the reductions (is in the process set)."""
         return True
+
+    def wire_settings(self) -> dict:
+        """What this backend does to a buffer on the wire, by name (every
+        rank must have the same): none for a backend without settings."""
+        return {}
 
     def sparse_allreduce_async(self, tensor: Tensor, name: str) -> Any:
         """Start reducing the sparse ``tensor`` across ranks, uncompressed.
@@ -163,6 +167,24 @@ class HorovodCommunicator(Communicator):
             buffer on the wire (``hvd.Compression.fp16`` sends fp16).
     """
 
+    @staticmethod
+    def check_arguments(op, gradient_predivide_factor: float, compression) -> None:
+        """Raise ``ValueError``/``NotImplementedError`` for Horovod arguments
+        ACP-SGD cannot honour (before any collective: nothing is built)."""
+        import horovod.torch as hvd
+        if op is not None and op not in (hvd.Average, hvd.Sum):
+            if op == hvd.Adasum:
+                raise NotImplementedError(
+                    "op=hvd.Adasum is not supported by ACP-SGD: Adasum combines full "
+                    "gradients pairwise, which low-rank factors cannot reproduce")
+            raise ValueError(f"op must be hvd.Average or hvd.Sum, got {op!r}")
+        if op == hvd.Sum and gradient_predivide_factor != 1.0:
+            raise ValueError("gradient_predivide_factor is only valid with op=hvd.Average")
+        if compression is not None and compression not in (hvd.Compression.none,
+                                                           hvd.Compression.fp16):
+            raise NotImplementedError(f"compression={compression!r} is not supported; use "
+                                      "hvd.Compression.none or hvd.Compression.fp16")
+
     def __init__(self, op=None, gradient_predivide_factor: float = 1.0,
                  process_set=None, compression=None) -> None:
         super().__init__()
@@ -205,6 +227,15 @@ class HorovodCommunicator(Communicator):
         # None (a process set not initialized) counts as outside, as in Horovod.
         return bool(self.process_set.included())
 
+    def wire_settings(self) -> dict:
+        hvd = self._hvd
+        ops = {hvd.Average: "hvd.Average", hvd.Sum: "hvd.Sum", hvd.Adasum: "hvd.Adasum"}
+        compressions = {hvd.Compression.none: "hvd.Compression.none",
+                        hvd.Compression.fp16: "hvd.Compression.fp16"}
+        return {"op": ops.get(self.op, repr(self.op)),
+                "compression": compressions.get(self.compression, repr(self.compression)),
+                "prescale_factor": self.prescale, "postscale_factor": self.postscale}
+
     def sparse_allreduce_async(self, tensor: Tensor, name: str) -> Any:
         # Horovod's own sparse reduction (two allgathers), as its optimizer
         # sends sparse gradients: uncompressed, without pre- or postscale.
@@ -233,3 +264,23 @@ class HorovodCommunicator(Communicator):
     def broadcast_object(self, obj: Any, root_rank: int, name: str) -> Any:
         return self._hvd.broadcast_object(obj, root_rank=root_rank, name=name,
                                           process_set=self.process_set)
+
+
+def gather_objects(obj: Any, device: torch.device, group=None) -> List[Any]:
+    """Every rank's ``obj`` in rank order, through ``torch.distributed`` on
+    ``device`` (the device of the tensors the group reduces: NCCL needs one
+    per rank, which ``dist.all_gather_object`` guesses from the current one).
+    A blocking collective of ``group`` (default: the world)."""
+    import torch.distributed as dist
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device),
+                    group=group)
+    longest = max(int(size) for size in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[:data.numel()] = data
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded, group=group)
+    return [pickle.loads(chunk[:int(size)].cpu().numpy().tobytes())
+            for chunk, size in zip(gathered, sizes)]

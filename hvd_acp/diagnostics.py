@@ -1,6 +1,6 @@
 """Per-step health of the low-rank error feedback, for diagnosing divergence.
 
-Recorded by :class:`~hvd_acp.reducer.ACPReducer` when created with
+Recorded by a :class:`Recorder` of the Horovod front end when created with
 ``diagnostics=True`` (``hvd_acp.DistributedOptimizer(..., diagnostics=True)``),
 summed over the compressed tensors of this rank, one record per step:
 
@@ -22,12 +22,12 @@ default.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["StepRecord", "subspace_turn"]
+__all__ = ["Recorder", "StepRecord", "subspace_turn"]
 
 
 def subspace_turn(basis: Tensor, previous: Tensor) -> float:
@@ -70,3 +70,38 @@ class StepRecord:
             "kept_share": self.kept2 / self.accumulated2 if self.accumulated2 else None,
             "subspace_turn": (sum(self.turns) / len(self.turns)) if self.turns else None,
         }
+
+
+class Recorder:
+    """The records of one optimizer, one per compressed step and one per probe.
+
+    Attributes:
+        records: the records so far (dicts, see the module's docstring).
+        current: the :class:`StepRecord` of the step in progress, if any.
+    """
+
+    def __init__(self) -> None:
+        self.records: List[dict] = []
+        self.current: Optional[StepRecord] = None
+        self._previous: Dict[Tuple[str, str], Tensor] = {}
+
+    def start(self, step: int, phase: str, bases: Iterable[Tuple[str, Tensor]]) -> None:
+        """A compressed step begins on ``bases`` (name, basis): record how far
+        each basis turned since the same side's previous step."""
+        self.current = StepRecord(step, phase)
+        for name, basis in bases:
+            previous = self._previous.get((phase, name))
+            if previous is not None:
+                self.current.turns.append(subspace_turn(basis, previous))
+            self._previous[(phase, name)] = basis.clone()
+
+    def finish(self) -> None:
+        """The step in progress is over."""
+        if self.current is not None:
+            self.records.append(self.current.as_dict())
+            self.current = None
+
+    def probe(self, step: int, ranks: Dict[str, int], kept_energy: Dict[str, float]) -> None:
+        """An auto-rank probe chose ``ranks``."""
+        self.records.append({"step": step, "phase": "probe", "ranks": dict(ranks),
+                             "kept_energy": dict(kept_energy)})

@@ -12,8 +12,6 @@ from __future__ import annotations
 from horovod.torch.elastic.state import (OptimizerStateHandler, get_handler_registry,
                                          set_handler_registry)
 
-from .optimizer import DistributedOptimizer
-
 __all__ = ["CompressedOptimizerStateHandler", "register_elastic_handler"]
 
 
@@ -25,9 +23,10 @@ class CompressedOptimizerStateHandler(OptimizerStateHandler):
         self.value.sync_compression_state(root_rank=0)
 
 
-def register_elastic_handler() -> None:
-    """Put the handler first in Horovod's registry (idempotent)."""
+def register_elastic_handler(optimizer_class: type) -> None:
+    """Put the handler first in Horovod's registry for ``optimizer_class``
+    (``hvd_acp.DistributedOptimizer``); idempotent."""
     registry = list(get_handler_registry())
     if any(handler is CompressedOptimizerStateHandler for _, handler in registry):
         return
-    set_handler_registry([(DistributedOptimizer, CompressedOptimizerStateHandler)] + registry)
+    set_handler_registry([(optimizer_class, CompressedOptimizerStateHandler)] + registry)

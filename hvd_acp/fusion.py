@@ -7,13 +7,18 @@ and the same all-reduce names without talking to the others.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .compression import Phase, factor_rank, matrix_shape, should_compress
 
-__all__ = ["TensorLayout", "Slot", "Bucket", "make_layouts", "plan_buckets", "rank_limit"]
+__all__ = ["DEFAULT_FUSION_THRESHOLD_BYTES", "TensorLayout", "Slot", "Bucket", "make_layouts",
+           "one_bucket", "plan_buckets", "rank_limit"]
+
+#: The S-SGD fusion threshold the Horovod front end plans its buffers from.
+DEFAULT_FUSION_THRESHOLD_BYTES = 25 * 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +90,7 @@ class Bucket:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
 
 def rank_limit(n: int, m: int, min_compression_rate: float) -> int:
@@ -119,10 +124,6 @@ def make_layouts(named_shapes: Sequence[Tuple[str, Tuple[int, ...], torch.dtype]
             name=name, shape=shape, dtype=payload_dtype(dtype), grad_dtype=dtype,
             n=n, m=m, r=rank if compressed else 0, compressed=compressed))
     return layouts
-
-
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def plan_buckets(layouts: Sequence[TensorLayout], phase: Phase,
@@ -163,8 +164,8 @@ def plan_buckets(layouts: Sequence[TensorLayout], phase: Phase,
     backward = list(reversed(layouts))
     position = {lay.name: i for i, lay in enumerate(backward)}
 
-    grad_bytes = sum(lay.numel * _element_size(lay.grad_dtype) for lay in layouts)
-    payload_bytes = sum(lay.payload_numel(phase) * _element_size(lay.dtype) for lay in layouts)
+    grad_bytes = sum(lay.numel * lay.grad_dtype.itemsize for lay in layouts)
+    payload_bytes = sum(lay.payload_numel(phase) * lay.dtype.itemsize for lay in layouts)
     ratio = payload_bytes / grad_bytes if grad_bytes else 1.0
     target = fusion_threshold_bytes * ratio
 
@@ -183,7 +184,7 @@ def plan_buckets(layouts: Sequence[TensorLayout], phase: Phase,
     for lay in backward:
         if lay.name in grouped:
             continue
-        nbytes = lay.payload_numel(phase) * _element_size(lay.dtype)
+        nbytes = lay.payload_numel(phase) * lay.dtype.itemsize
         if (nbytes >= target and len(open_lists.get(lay.dtype, ())) > 1
                 and 2 * open_bytes[lay.dtype] >= target):
             # A tensor that fills a buffer by itself travels alone, and a
@@ -216,3 +217,15 @@ def plan_buckets(layouts: Sequence[TensorLayout], phase: Phase,
         buckets.append(Bucket(name=name, dtype=members[0].dtype, slots=tuple(slots),
                               numel=offset))
     return buckets
+
+
+def one_bucket(layouts: Sequence[TensorLayout], phase: Phase, name: str) -> Bucket:
+    """All of ``layouts`` in one buffer, in their order, in the dtype they
+    promote to (a DDP bucket's payload)."""
+    dtype = functools.reduce(torch.promote_types, (lay.dtype for lay in layouts))
+    slots, offset = [], 0
+    for lay in layouts:
+        numel = lay.payload_numel(phase)
+        slots.append(Slot(lay.name, offset, numel, lay.payload_shape(phase)))
+        offset += numel
+    return Bucket(name=name, dtype=dtype, slots=tuple(slots), numel=offset)

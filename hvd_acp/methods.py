@@ -99,7 +99,7 @@ class Method:
         """:attr:`label` on two lines, for the bars of a plot."""
         return self.label.replace(" (", "\n(")
 
-    def build(self, model, optimizer, *, matrix_rank: int = 4,
+    def build(self, model, optimizer, *, matrix_rank=None,
               warmup_steps: Optional[int] = None, ddp_options: Optional[dict] = None,
               **options) -> Distributed:
         """Set the method up for ``model`` and the torch ``optimizer`` built on its parameters.
@@ -108,8 +108,9 @@ class Method:
         default process group for the DDP ones.
 
         Args:
-            matrix_rank: rank of the factors (S-SGD compresses nothing and
-                ignores it).
+            matrix_rank: rank of the factors; None: the library's default
+                (:class:`hvd_acp.Settings`). S-SGD compresses nothing and
+                ignores it.
             warmup_steps: exact steps before compression starts; None: the
                 implementation's default (0 for hvd_acp's,
                 :attr:`min_warmup_steps` for torch's hook).
@@ -208,9 +209,11 @@ def _powersgd_ddp(batched: bool):
     def factory(model, optimizer, *, matrix_rank, warmup_steps, ddp_options, **options):
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
         from .autorank import parse_matrix_rank
+        from .settings import Settings
         # torch's hook takes one rank for every tensor: under "auto" it runs at
         # max_rank, the most bytes hvd_acp's auto rank ever sends.
-        rank, _ = parse_matrix_rank(matrix_rank)
+        rank, _ = parse_matrix_rank(Settings(matrix_rank=matrix_rank).resolve(optimizer)
+                                    .matrix_rank)
         wrapped = _ddp(model, ddp_options)
         settings = dict(process_group=None, matrix_approximation_rank=rank,
                         start_powerSGD_iter=2 if warmup_steps is None else warmup_steps,

@@ -1,100 +1,41 @@
-"""The public optimizer: glue between a torch optimizer and the reducer."""
+"""The public optimizer: glue between a torch optimizer and the reducer.
+
+:class:`DistributedOptimizer` checks its arguments (the same error on every
+rank), builds the :class:`~hvd_acp.reducer.ACPReducer` and the step-ahead
+shift, forwards the torch optimizer's attributes, and keeps Horovod's
+contract: ``step``, ``synchronize``, ``skip_synchronize``, checkpoints, and
+``hvd.broadcast_optimizer_state`` (whose needs are met in
+:mod:`.horovod_broadcast`).
+"""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import logging
 import numbers
 import os
-import sys
 import warnings
 import weakref
 from collections import OrderedDict
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from .agreement import agree, describe_differences
 from .comm import CommStats, Communicator, HorovodCommunicator
+from .fusion import DEFAULT_FUSION_THRESHOLD_BYTES
+from .horovod_broadcast import (STATE_KEY, LocalStep, add_broadcast_entry,
+                                called_by_broadcast_optimizer_state, pass_as_horovod_optimizer)
 from .reducer import ACPReducer
-from .state import check_compression_settings, describe_differences, is_int
-from .stepahead import DEFAULT_STEP_AHEAD, StepAhead, check_step_ahead
+from .settings import Settings
+from .state import is_int
+from .stepahead import StepAhead
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_FUSION_THRESHOLD_BYTES = 25 * 1024 * 1024
-STATE_KEY = "hvd_acp"
 
-
-def _called_by_broadcast_optimizer_state() -> bool:
-    """Whether Horovod's ``broadcast_optimizer_state`` is on the call stack, a
-    few frames up (it calls ``state_dict()`` and ``step()`` of the optimizer)."""
-    functions = sys.modules.get("horovod.torch.functions")
-    target = getattr(getattr(functions, "broadcast_optimizer_state", None), "__code__", None)
-    frame = sys._getframe(2)
-    for _ in range(4):
-        if frame is None or target is None:
-            return False
-        if frame.f_code is target:
-            return True
-        frame = frame.f_back
-    return False
-
-
-class _BroadcastEntry(dict):
-    """The compression state as ``hvd.broadcast_optimizer_state`` sees it.
-
-    That function broadcasts the tensors of every parameter's state and
-    pickles the rest from the root rank, then assigns each value back into
-    the dict it came from. This entry stands in the optimizer state it is
-    given (under a parameter id of its own) with one value, the root's
-    compression state; the assignment hands it to the optimizer on every
-    rank, which adopts it there and then.
-    """
-
-    def __init__(self, optimizer: "DistributedOptimizer", value: dict) -> None:
-        super().__init__(state=value)
-        self._optimizer = weakref.ref(optimizer)
-
-    def __setitem__(self, key, value) -> None:
-        super().__setitem__(key, value)
-        optimizer = self._optimizer()
-        if optimizer is not None:
-            optimizer._adopt_broadcast(value)
-
-
-class _LocalStep(torch.optim.Optimizer):
-    """Base whose ``step`` runs the wrapped optimizer without communication.
-
-    ``hvd.broadcast_optimizer_state`` initializes a fresh optimizer's state
-    with ``super(type(opt), opt).step()`` when ``opt`` is a Horovod
-    distributed optimizer, so that no rank starts a collective on its own.
-    That step, on zero gradients, exists to create the state; it leaves the
-    weights as they were. (With weight decay it would shrink them, on the
-    ranks that had no state only: after a resume from rank 0's checkpoint,
-    whose weights ``hvd.broadcast_parameters`` had just copied everywhere,
-    the replicas would differ for the rest of training.)
-    """
-
-    def step(self, closure=None):  # pylint: disable=arguments-differ
-        self._state_initialized_by_broadcast = True
-        params = [p for group in self.param_groups for p in group["params"]
-                  if p.grad is not None]
-        if isinstance(self._optimizer, torch.optim.SparseAdam):
-            # broadcast_optimizer_state makes the zero gradients of that
-            # initialization sparse only where ``isinstance`` shows it a
-            # SparseAdam, which a wrapper by composition is not.
-            for param in params:
-                if not param.grad.is_sparse:
-                    param.grad = param.grad.to_sparse()
-        with torch.no_grad():
-            weights = [param.clone() for param in params]
-        result = self._optimizer.step(closure)
-        with torch.no_grad():
-            for param, weight in zip(params, weights):
-                param.copy_(weight)
-        return result
-
-
-class DistributedOptimizer(_LocalStep):
+class DistributedOptimizer(LocalStep):
     """Drop-in replacement for ``hvd.DistributedOptimizer`` training with ACP-SGD.
 
     Wraps a torch optimizer by composition: ``param_groups``, ``state`` and
@@ -127,31 +68,22 @@ class DistributedOptimizer(_LocalStep):
             outside it nothing is hooked or communicated, and ``step()``
             updates with the local gradients, as in Horovod.
 
-    ACP-SGD's own settings (keyword only):
+    ACP-SGD's own settings (keyword only; ``None`` takes the library's
+    default, see :class:`hvd_acp.Settings`, which says what to tune):
 
     Args:
-        matrix_rank: rank r of the factors P (n, r) and Q (m, r). Higher is
-            more accurate and sends more. ``"auto"`` (or an
-            :class:`~hvd_acp.AutoRank` to set its energy share and budget)
-            chooses a rank per tensor from the averaged gradients at probe
-            steps (see :mod:`hvd_acp.autorank` and docs/guide.md); an int
-            pins one rank for every tensor.
+        matrix_rank: rank r of the factors P (n, r) and Q (m, r); or
+            ``"auto"`` (an :class:`~hvd_acp.AutoRank`) for a rank per tensor.
+        min_compression_rate: a matrix is compressed only if that sends at
+            least this many times fewer elements.
+        warmup_steps: steps of exact averaging before ACP-SGD starts.
+        seed: seed of the initial factors, identical on every rank.
+        step_ahead: step-ahead error feedback (0 switches it off). The
+            parameters hold the true weights between ``step()`` and the next
+            training forward pass (:meth:`true_weights` in between).
         fusion_threshold_bytes: the S-SGD fusion threshold the buffers are
             planned from; each buffer's payload is about this times the
             phase's compression ratio. 0 gives one buffer per tensor.
-        min_compression_rate: a matrix is compressed only if that sends at
-            least this many times fewer elements; others go uncompressed.
-        warmup_steps: steps of exact averaging before ACP-SGD starts.
-        seed: seed of the initial factors (identical on every rank).
-        step_ahead: step-ahead error feedback: each rank computes its next
-            gradient this fraction of the way to where its residual ``E``
-            will eventually move the weights: at ``w - step_ahead * lr /
-            (1 - momentum) * E`` for SGD (``w - step_ahead * lr * E /
-            (sqrt(v_hat) + eps)`` for Adam-family optimizers). It keeps
-            ACP-SGD stable at the learning rates S-SGD trains at (see
-            :mod:`hvd_acp.stepahead` and docs/convergence.md). The parameters
-            hold the true weights between ``step()`` and the next training
-            forward pass. 0 switches it off.
         overlap: compress each gradient and launch its fused buffer's
             all-reduce from the gradient hooks, while backward computes the
             earlier layers (the default). False leaves all of it to
@@ -176,89 +108,95 @@ class DistributedOptimizer(_LocalStep):
                  gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                  groups: Optional[Sequence[Sequence[torch.Tensor]]] = None,
                  sparse_as_dense: bool = False, process_set=None, *,
-                 matrix_rank: int = 4,
+                 matrix_rank=None, min_compression_rate: Optional[float] = None,
+                 warmup_steps: Optional[int] = None, seed: Optional[int] = None,
+                 step_ahead: Optional[float] = None,
                  fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD_BYTES,
-                 min_compression_rate: float = 2.0, warmup_steps: int = 0, seed: int = 0,
-                 step_ahead: float = DEFAULT_STEP_AHEAD, overlap: bool = True,
-                 diagnostics: bool = False, communicator: Optional[Communicator] = None):
-        # Deliberately not calling Optimizer.__init__: param_groups, state and
-        # defaults are forwarded to the wrapped optimizer (properties below).
-        torch._C._log_api_usage_once("hvd_acp.DistributedOptimizer")
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
-        self._optimizer = optimizer
-        # Lets hvd.broadcast_optimizer_state take its communication-free path
-        # (see _LocalStep); the class itself keeps its real module.
-        self.__dict__["__module__"] = "horovod.torch.optimizer"
-
-        error = None
+                 overlap: bool = True, diagnostics: bool = False,
+                 communicator: Optional[Communicator] = None):
+        self._wrap(optimizer)
+        args = _Arguments(backward_passes_per_step, fusion_threshold_bytes,
+                          gradient_predivide_factor, num_groups, groups, sparse_as_dense, overlap)
+        error, settings, named, fusion_groups = None, None, [], None
         try:
-            named = _validate(optimizer, named_parameters, compression,
-                              backward_passes_per_step, op, gradient_predivide_factor,
-                              num_groups, groups, sparse_as_dense, matrix_rank,
-                              fusion_threshold_bytes, min_compression_rate, warmup_steps,
-                              seed, step_ahead, overlap, communicator)
+            settings = Settings(matrix_rank=matrix_rank, min_compression_rate=min_compression_rate,
+                                warmup_steps=warmup_steps, seed=seed,
+                                step_ahead=step_ahead).resolve(optimizer)
+            args.check()
+            if communicator is None:
+                HorovodCommunicator.check_arguments(op, gradient_predivide_factor, compression)
+            named = _named_parameters(optimizer, named_parameters)
+            fusion_groups = args.fusion_groups(named)
         except (ValueError, TypeError, NotImplementedError) as exc:
-            error, named = exc, []
-
+            error = exc
         if communicator is None:
             communicator = HorovodCommunicator(op, gradient_predivide_factor, process_set,
                                                compression)
         self._comm = communicator
-        # Every rank must raise, or none: a rank that raises alone leaves the
-        # others waiting in their first all-reduce. Elastic jobs skip this
-        # collective: a worker that joins later builds its optimizer while the
-        # others are inside Horovod's state sync; it is checked against rank
-        # 0's state in sync_compression_state() instead. A rank outside the
-        # process set communicates with no one, so its errors are its own.
+        # Elastic jobs skip the collectives: a worker that joins later builds
+        # its optimizer while the others are inside Horovod's state sync, and
+        # is checked against rank 0's state in sync_compression_state().
         elastic = (isinstance(communicator, HorovodCommunicator)
                    and os.environ.get("HOROVOD_ELASTIC") == "1")
-        local_only = elastic or not communicator.included()
-        if local_only and error is not None:
-            raise error
-        if not local_only:
-            _agree(communicator, error, _signature(
-                named, matrix_rank=matrix_rank, fusion_threshold_bytes=fusion_threshold_bytes,
-                min_compression_rate=min_compression_rate, warmup_steps=warmup_steps,
-                seed=seed, backward_passes_per_step=backward_passes_per_step,
-                step_ahead=step_ahead))
+        self._agree_on_arguments(error, elastic, lambda: args.facts(
+            settings, named, fusion_groups, communicator))
+        self._build(named, settings, args, fusion_groups, bool(diagnostics), elastic)
 
+    def _build(self, named, settings: Settings, args: "_Arguments", fusion_groups,
+               diagnostics: bool, elastic: bool) -> None:
+        """The reducer and the step-ahead shift over the checked arguments."""
         # Horovod's attribute, which user code reads to map names to parameters.
         self._parameter_names = {p: n for n, p in sorted(named, key=lambda pair: pair[0])}
         trained = [(n, p) for n, p in named if _can_have_grad(p)]
-        names_by_param = {p: n for n, p in named}
-        explicit_groups = None
-        if groups is not None:
-            explicit_groups = [[names_by_param[p] for p in g] for g in groups]
-        elif num_groups:
-            ordered = [n for n, _ in trained]
-            size = -(-len(ordered) // num_groups)
-            explicit_groups = [ordered[i:i + size] for i in range(0, len(ordered), size)]
-
         self._reducer = self.reducer_class(
-            trained, communicator, matrix_rank=matrix_rank,
-            fusion_threshold_bytes=fusion_threshold_bytes,
-            min_compression_rate=min_compression_rate, warmup_steps=warmup_steps, seed=seed,
-            backward_passes_per_step=backward_passes_per_step, groups=explicit_groups,
-            sparse_as_dense=sparse_as_dense, name_prefix=self.name_prefix,
-            diagnostics=bool(diagnostics), agree_at_first_step=not elastic, overlap=overlap)
-        self._state_initialized_by_broadcast = False
-        self._step_ahead = StepAhead(self._reducer, optimizer, step_ahead)
-        self.backward_passes_per_step = backward_passes_per_step
+            trained, self._comm, settings, fusion_threshold_bytes=args.fusion_threshold_bytes,
+            backward_passes_per_step=args.backward_passes_per_step, groups=fusion_groups,
+            sparse_as_dense=args.sparse_as_dense, name_prefix=self.name_prefix,
+            diagnostics=diagnostics, overlap=args.overlap,
+            on_first_round=None if elastic else functools.partial(
+                _agree_on_state, self._comm, self.name_prefix))
+        self._step_ahead = StepAhead(self._reducer.state, self._reducer.params, self._optimizer,
+                                     settings.step_ahead, share=self._reducer.share,
+                                     included=self._reducer.included)
+        self.backward_passes_per_step = args.backward_passes_per_step
         self._synchronized = False
         self._should_synchronize = True
+        self._state_initialized_by_broadcast = False
         # The hooks die with the optimizer, so a model can be wrapped again
         # once the previous optimizer is gone (or closed).
         self._finalizer = weakref.finalize(self, _release, self._reducer, self._step_ahead)
         for _, param in trained:
             param._hvd_acp_owner = weakref.ref(self)
-        if isinstance(communicator, HorovodCommunicator):
+        if isinstance(self._comm, HorovodCommunicator):
             from .elastic import register_elastic_handler
-            register_elastic_handler()
+            register_elastic_handler(DistributedOptimizer)
+
+    def _wrap(self, optimizer: torch.optim.Optimizer) -> None:
+        """Hold ``optimizer``, whose ``param_groups``, ``state`` and ``defaults``
+        are forwarded (properties below): Optimizer.__init__ is not run."""
+        torch._C._log_api_usage_once("hvd_acp.DistributedOptimizer")
+        for hooks in ("step_pre", "step_post", "state_dict_pre", "state_dict_post",
+                      "load_state_dict_pre", "load_state_dict_post"):
+            setattr(self, f"_optimizer_{hooks}_hooks", OrderedDict())
+        self._optimizer = optimizer
+        pass_as_horovod_optimizer(self)
+
+    # ------------------------------------------------------------ agreement
+    def _agree_on_arguments(self, error: Optional[Exception], elastic: bool, facts) -> None:
+        """Raise on every rank, or on none: a rank that raises alone leaves the
+        others waiting in their first all-reduce, and ranks whose settings or
+        models differ send other payloads under other names. ``facts()`` is
+        what must be equal (every setting that changes what is sent or how it
+        is named, and the parameters). A rank outside the process set
+        communicates with no one: its errors are its own."""
+        comm = self._comm
+        if elastic or not comm.included() or comm.size() == 1:
+            if error is not None:
+                raise error
+            return
+        agree(lambda obj: comm.allgather_object(obj, name="hvd_acp.validate"),
+              facts() if error is None else {}, error=error, rank=comm.rank(),
+              explain=_describe_mismatch)
 
     # --------------------------------------------- forwarding to the wrapped one
     @property
@@ -394,10 +332,10 @@ class DistributedOptimizer(_LocalStep):
 
     def step(self, closure=None):
         """Synchronize (unless already done or skipped), update, next phase."""
-        if _called_by_broadcast_optimizer_state():
+        if called_by_broadcast_optimizer_state():
             # Its state initialization, run on some ranks only (a subclass
             # is reached here through super(type(opt), opt).step()).
-            return _LocalStep.step(self, closure)
+            return LocalStep.step(self, closure)
         if closure is not None:
             raise NotImplementedError(
                 "step(closure) is not supported: a closure re-runs backward, which would "
@@ -419,7 +357,7 @@ class DistributedOptimizer(_LocalStep):
         # The update applies to the true weights; the next gradient is taken
         # ahead of them again (see hvd_acp.stepahead).
         self._step_ahead.restore()
-        unit = self._reducer.applied_scale()
+        unit = self._reducer.applied.scale()
         result = self._optimizer.step()
         self._step_ahead.after_step(unit)
         return result
@@ -445,7 +383,7 @@ class DistributedOptimizer(_LocalStep):
         (see :meth:`_adopt_broadcast`).
         """
         state = self._optimizer.state_dict()
-        if _called_by_broadcast_optimizer_state():
+        if called_by_broadcast_optimizer_state():
             # While the wrapped state is empty, Horovod first initializes it
             # with a local step on the ranks that have none, then asks again;
             # the entry joins in once there is state to broadcast, or once
@@ -453,10 +391,9 @@ class DistributedOptimizer(_LocalStep):
             # broadcasts the same entries.
             if state["state"] or self._state_initialized_by_broadcast:
                 self._state_initialized_by_broadcast = False
-                value = {"rank": self._comm.rank(),
-                         "state": self._reducer.state_dict(with_error=False)}
-                state["state"][STATE_KEY] = _BroadcastEntry(self, value)
-                state["param_groups"][-1]["params"].append(STATE_KEY)
+                add_broadcast_entry(state, {"rank": self._comm.rank(),
+                                            "state": self._reducer.state_dict(with_error=False)},
+                                    self._adopt_broadcast)
             return state
         state[STATE_KEY] = self._reducer.state_dict()
         return state
@@ -502,7 +439,7 @@ class DistributedOptimizer(_LocalStep):
         if acp_state is not None:
             self._reducer.load_state_dict(acp_state, reset_error_feedback)
         elif reset_error_feedback:
-            self._reducer.reset_error_feedback()
+            self._reducer.state.reset_error_feedback()
         self._step_ahead.after_step()
 
 
@@ -512,51 +449,76 @@ def _release(reducer: ACPReducer, step_ahead: StepAhead) -> None:
     step_ahead.close()
 
 
-# ---------------------------------------------------------------- validation
-def _validate(optimizer, named_parameters, compression, backward_passes_per_step, op,
-              gradient_predivide_factor, num_groups, groups, sparse_as_dense, matrix_rank,
-              fusion_threshold_bytes, min_compression_rate, warmup_steps, seed,
-              step_ahead, overlap, communicator) -> List[Tuple[str, torch.Tensor]]:
-    """Check the arguments; returns (name, param) for the optimizer's params."""
+# ---------------------------------------------------------------- arguments
+@dataclasses.dataclass(frozen=True)
+class _Arguments:
+    """The arguments, Horovod's and the front end's own, that shape the fused
+    buffers and what goes into them."""
+
+    backward_passes_per_step: int
+    fusion_threshold_bytes: int
+    gradient_predivide_factor: float
+    num_groups: int
+    groups: Optional[Sequence[Sequence[torch.Tensor]]]
+    sparse_as_dense: bool
+    overlap: bool
+
+    def check(self) -> None:
+        """Raise ``ValueError``/``TypeError`` naming the first bad one."""
+        if not is_int(self.backward_passes_per_step) or self.backward_passes_per_step < 1:
+            raise ValueError("backward_passes_per_step must be a positive int, got "
+                             f"{self.backward_passes_per_step!r}")
+        if not is_int(self.fusion_threshold_bytes) or self.fusion_threshold_bytes < 0:
+            raise ValueError("fusion_threshold_bytes must be an int >= 0, got "
+                             f"{self.fusion_threshold_bytes!r}")
+        factor = self.gradient_predivide_factor
+        if not isinstance(factor, numbers.Real) or factor <= 0:
+            raise ValueError(f"gradient_predivide_factor must be a number > 0, got {factor!r}")
+        if not is_int(self.num_groups) or self.num_groups < 0:
+            raise ValueError(f"num_groups must be an int >= 0, got {self.num_groups!r}")
+        if self.num_groups and self.groups is not None:
+            raise ValueError("num_groups and groups cannot both be set")
+        for name in ("sparse_as_dense", "overlap"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    def fusion_groups(self, named) -> Optional[List[List[str]]]:
+        """The explicit fusion groups as lists of names (None: plan by threshold)."""
+        if self.groups is not None:
+            by_param = {p: n for n, p in named}
+            in_groups = [p for g in self.groups for p in g]
+            if (any(p not in by_param for p in in_groups)
+                    or len(set(in_groups)) != len(in_groups)):
+                raise ValueError("groups must be disjoint lists of the optimizer's parameters")
+            return [[by_param[p] for p in g] for g in self.groups]
+        if self.num_groups:
+            ordered = [n for n, p in named if _can_have_grad(p)]
+            size = -(-len(ordered) // self.num_groups)
+            return [ordered[i:i + size] for i in range(0, len(ordered), size)]
+        return None
+
+    def facts(self, settings: Settings, named, fusion_groups, comm: Communicator) -> dict:
+        """What every rank must have equal: every setting that changes what is
+        sent or how it is named (``overlap`` only changes when), the
+        backend's wire settings, and the parameters."""
+        return dict(dataclasses.asdict(settings),
+                    fusion_threshold_bytes=self.fusion_threshold_bytes,
+                    backward_passes_per_step=self.backward_passes_per_step,
+                    num_groups=self.num_groups, groups=fusion_groups,
+                    sparse_as_dense=self.sparse_as_dense,
+                    gradient_predivide_factor=self.gradient_predivide_factor,
+                    **comm.wire_settings(),
+                    parameters=[(n, tuple(p.shape), str(p.dtype)) for n, p in named])
+
+
+def _named_parameters(optimizer, named_parameters) -> List[Tuple[str, torch.Tensor]]:
+    """(name, param) for every parameter of ``optimizer``, in its order; raises
+    for a bad optimizer, names or parameters."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
     if isinstance(optimizer, DistributedOptimizer):
         raise TypeError("optimizer is already an hvd_acp.DistributedOptimizer")
-    check_compression_settings(matrix_rank, min_compression_rate, warmup_steps, seed)
-    check_step_ahead(step_ahead)
-    if not is_int(backward_passes_per_step) or backward_passes_per_step < 1:
-        raise ValueError("backward_passes_per_step must be a positive int, got "
-                         f"{backward_passes_per_step!r}")
-    if not is_int(fusion_threshold_bytes) or fusion_threshold_bytes < 0:
-        raise ValueError("fusion_threshold_bytes must be an int >= 0, got "
-                         f"{fusion_threshold_bytes!r}")
-    if not isinstance(gradient_predivide_factor, numbers.Real) or gradient_predivide_factor <= 0:
-        raise ValueError("gradient_predivide_factor must be a number > 0, got "
-                         f"{gradient_predivide_factor!r}")
-    if not is_int(num_groups) or num_groups < 0:
-        raise ValueError(f"num_groups must be an int >= 0, got {num_groups!r}")
-    if num_groups and groups is not None:
-        raise ValueError("num_groups and groups cannot both be set")
-    if not isinstance(sparse_as_dense, bool):
-        raise TypeError(f"sparse_as_dense must be a bool, got {sparse_as_dense!r}")
-    if not isinstance(overlap, bool):
-        raise TypeError(f"overlap must be a bool, got {overlap!r}")
-    if communicator is None:
-        import horovod.torch as hvd
-        if op is not None and op not in (hvd.Average, hvd.Sum):
-            if op == hvd.Adasum:
-                raise NotImplementedError(
-                    "op=hvd.Adasum is not supported by ACP-SGD: Adasum combines full "
-                    "gradients pairwise, which low-rank factors cannot reproduce")
-            raise ValueError(f"op must be hvd.Average or hvd.Sum, got {op!r}")
-        if op == hvd.Sum and gradient_predivide_factor != 1.0:
-            raise ValueError("gradient_predivide_factor is only valid with op=hvd.Average")
-        if compression is not None and compression not in (hvd.Compression.none,
-                                                           hvd.Compression.fp16):
-            raise NotImplementedError(f"compression={compression!r} is not supported; use "
-                                      "hvd.Compression.none or hvd.Compression.fp16")
-
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if named_parameters is None:
         named = [(f"allreduce.noname.{i}.{j}", p)
@@ -593,11 +555,11 @@ def _validate(optimizer, named_parameters, compression, backward_passes_per_step
         if p.is_complex():
             raise TypeError(f"parameter {name!r} has dtype {p.dtype}; only floating-point "
                             "parameters can be trained")
-    if groups is not None:
-        in_groups = [p for g in groups for p in g]
-        foreign = [i for i, p in enumerate(in_groups) if p not in seen]
-        if foreign or len(set(in_groups)) != len(in_groups):
-            raise ValueError("groups must be disjoint lists of the optimizer's parameters")
+    devices = {p.device for _, p in named if _can_have_grad(p)}
+    if len(devices) > 1:
+        raise NotImplementedError(
+            f"parameters on several devices ({sorted(map(str, devices))}) are not "
+            "supported: wrap each device's parameters in its own DistributedOptimizer")
     return named
 
 
@@ -606,42 +568,40 @@ def _can_have_grad(param: torch.Tensor) -> bool:
     return param.is_floating_point() or param.is_complex()
 
 
-def _signature(named, **settings) -> Any:
-    return ([(n, tuple(p.shape), str(p.dtype)) for n, p in named], settings)
-
-
-def _agree(comm: Communicator, error: Optional[Exception], signature: Any) -> None:
-    """Raise the same error on every rank if any rank's arguments are bad or differ."""
-    if comm.size() == 1:
-        if error is not None:
-            raise error
-        return
-    local = None if error is None else (type(error).__name__, str(error))
-    gathered = comm.allgather_object((local, signature), name="hvd_acp.validate")
-    for rank, (err, _) in enumerate(gathered):
-        if err is not None:
-            kind = {"ValueError": ValueError, "TypeError": TypeError,
-                    "NotImplementedError": NotImplementedError}[err[0]]
-            if error is not None and rank == comm.rank():
-                raise error
-            raise kind(f"on rank {rank}: {err[1]}")
-    reference = gathered[0][1]
-    for rank, (_, sig) in enumerate(gathered):
-        if sig != reference:
-            raise ValueError(_describe_mismatch(rank, reference, sig))
-
-
-def _describe_mismatch(rank: int, reference, other) -> str:
-    ref_params, ref_settings = reference
-    params, settings = other
+def _describe_mismatch(rank: int, gathered) -> ValueError:
+    reference, other = gathered[0]["facts"], gathered[rank]["facts"]
+    ref_settings = {k: v for k, v in reference.items() if k != "parameters"}
+    settings = {k: v for k, v in other.items() if k != "parameters"}
     if ref_settings != settings:
-        differing = describe_differences(ref_settings, settings, rank)
-        return (f"hvd_acp settings differ between ranks: {differing}; pass the same "
-                "arguments on every rank")
-    ref_map, other_map = dict((n, s) for n, *s in ref_params), dict((n, s) for n, *s in params)
+        return ValueError("hvd_acp settings differ between ranks: "
+                          f"{describe_differences(ref_settings, settings, rank)}; pass the same "
+                          "arguments on every rank")
+    ref_map = {n: s for n, *s in reference["parameters"]}
+    other_map = {n: s for n, *s in other["parameters"]}
     for name in sorted(set(ref_map) | set(other_map)):
         if ref_map.get(name) != other_map.get(name):
-            return (f"the model differs between ranks: parameter {name!r} is "
-                    f"{ref_map.get(name, 'missing')} on rank 0 and "
-                    f"{other_map.get(name, 'missing')} on rank {rank}")
-    return f"parameter order differs between rank 0 and rank {rank}"
+            return ValueError(f"the model differs between ranks: parameter {name!r} is "
+                              f"{ref_map.get(name, 'missing')} on rank 0 and "
+                              f"{other_map.get(name, 'missing')} on rank {rank}")
+    return ValueError(f"parameter order differs between rank 0 and rank {rank}")
+
+
+def _agree_on_state(comm: Communicator, prefix: str, reducer: ACPReducer) -> None:
+    """At the first step: every rank starts from the same compression state,
+    or all raise (a checkpoint loaded on some ranks only would leave them in
+    phases whose all-reduces never match)."""
+    step_count, factor_sum = reducer.state.fingerprint()
+    agree(lambda obj: comm.allgather_object(obj, name=f"{prefix}.first_step"),
+          {"step_count": step_count, "factor_sum": factor_sum}, context=reducer.origin,
+          explain=_different_states)
+
+
+def _different_states(rank: int, gathered) -> RuntimeError:
+    described = "; ".join(f"rank {r} at step {entry['facts']['step_count']} ({entry['context']})"
+                          for r, entry in enumerate(gathered))
+    return RuntimeError(
+        "hvd_acp: the ranks start training from different compression states: "
+        f"{described}. A checkpoint was loaded on some ranks only. Load it on every "
+        "rank, or load it on the root rank and then call "
+        "hvd.broadcast_optimizer_state(optimizer, root_rank=0) on every rank, as "
+        "Horovod's examples do")

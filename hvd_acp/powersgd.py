@@ -20,9 +20,11 @@ from typing import Optional
 
 from torch import Tensor
 
-from .compression import Phase, orthonormalize_
+from .compression import Phase
 from .optimizer import DistributedOptimizer
-from .reducer import ACPReducer, _Round
+from .reducer import ACPReducer
+from .rounds import Round
+from .state import PendingResidual
 
 __all__ = ["PowerSGDOptimizer", "PowerSGDReducer"]
 
@@ -31,8 +33,8 @@ class PowerSGDReducer(ACPReducer):
     """Power-SGD with the reducer machinery of ACP-SGD.
 
     The hooks fill and launch the P buffers (P factors and uncompressed
-    tensors); :meth:`synchronize` then orthonormalizes P, computes and
-    all-reduces Q, and reconstructs.
+    tensors); :meth:`synchronize` then orthonormalizes P, fills and
+    all-reduces the Q buffers, and reconstructs.
     """
 
     @property
@@ -47,69 +49,42 @@ class PowerSGDReducer(ACPReducer):
         # Power-SGD multiplies by the previous Q as it is (warm start).
         self._bases_phase = self.phase
 
-    def _compress(self, rnd: _Round, b_index: int, name: str, grad: Optional[Tensor],
-                  out: Tensor) -> None:
+    def _encode(self, name: str, grad: Optional[Tensor], out: Tensor, phase: Phase,
+                defer: bool) -> Optional[PendingResidual]:
         # P_i = A Q with A = M + E; the residual waits for the second projection.
-        tensor = self.state.tensors[name]
-        tensor.compress_(Phase.P, grad, tensor.q, out, residual=False)
+        return self.state.encode_(name, grad, out, phase, residual=False)
 
-    def _complete(self, rnd: _Round) -> None:
+    def _complete(self, rnd: Round) -> None:
         if rnd.phase is Phase.DENSE:
             super()._complete(rnd)
             return
-        self.written_factors, self.written_versions = [], {}
-        for b_index in range(len(rnd.buckets)):
+        self.applied.clear()
+        for b_index in range(len(rnd.plan.buckets)):
             self.comm.synchronize(rnd.handles[b_index])
         started = time.perf_counter()
-        nonfinite = self._nonfinite_slots(rnd)
-        tensors = self.state.tensors
-        compressed = []
-        for bucket in rnd.buckets:
-            for slot in bucket.slots:
-                if slot.name in rnd.sparse:
-                    continue                       # sent apart, see ACPReducer._take
-                if slot.name in tensors:
-                    tensors[slot.name].commit_(Phase.P, self._slot_view(rnd, slot.name))
-                    compressed.append(slot.name)
-                else:
-                    self._write_grad(rnd, slot.name)
-        if not compressed:
-            self._count_nonfinite(nonfinite)
-            self.compression_seconds += time.perf_counter() - started
-            return
-        orthonormalize_(tensors[name].p for name in compressed)           # Ph = orth(P)
-        buckets, buffers, views = self._plan(Phase.Q, tuple(compressed))
-        second = _Round(Phase.Q, buckets, buffers, views)
-        for name in compressed:
-            # Q_i = A^T Ph, E = A - Ph Q_i^T: the ACP-SGD Q step on A.
-            tensors[name].compress_(Phase.Q, None, tensors[name].p, self._slot_view(second, name))
-        handles = [self.comm.allreduce_async_(buf, b.name) for b, buf in zip(buckets, buffers)]
-        waited = time.perf_counter()
-        for handle in handles:
-            self.comm.synchronize(handle)
-        # Waiting for the second all-reduce is communication, not compression.
-        self.compression_seconds -= time.perf_counter() - waited
-        nonfinite |= self._nonfinite_slots(second)
-        self._count_nonfinite(nonfinite)
-        for name in compressed:
-            lay, param, tensor = self.layouts[name], self.params[name], tensors[name]
-            q = self._slot_view(second, name)
-            matrix, direct = self._grad_target(lay, param)
-            # G = Ph Q^T; Q is the warm start of the next step unless non-finite.
-            tensor.apply_(Phase.Q, q, tensor.p, matrix, commit=name not in nonfinite)
-            # ||G|| = ||Q||: the committed Q (see ACPReducer.applied_scale).
-            self.written_factors.append(tensor.q if name not in nonfinite else None)
-            if not direct:
-                param.grad.copy_(matrix.view(param.grad.shape))
-            self.written_versions[name] = param.grad._version
+        bad = set()
+        for b_index in range(len(rnd.plan.buckets)):      # P committed, the rest written
+            bad |= self._decode(rnd, b_index, None, reconstruct=False)
+        compressed = tuple(name for name in rnd.plan.views
+                           if name in self.state.tensors and name not in rnd.sparse)
+        if compressed:
+            self.state.orthonormalize_p_(compressed)                  # Ph = orth(P)
+            second = Round(Phase.Q, self._plan(Phase.Q, compressed))
+            for name in compressed:
+                # Q_i = A^T Ph, E = A - Ph Q_i^T: the ACP-SGD Q step on A.
+                self.state.encode_(name, None, second.plan.views[name], Phase.Q)
+            for b_index, (bucket, buffer) in enumerate(zip(second.plan.buckets,
+                                                           second.plan.buffers)):
+                second.handles[b_index] = self.comm.allreduce_async_(buffer, bucket.name)
+            waited = time.perf_counter()
+            for handle in second.handles.values():
+                self.comm.synchronize(handle)
+            # Waiting for the second all-reduce is communication, not compression.
+            self.compression_seconds -= time.perf_counter() - waited
+            for b_index in range(len(second.plan.buckets)):
+                # G = Ph Q^T; Q is the warm start of the next step unless non-finite.
+                self._decode(second, b_index, None, bad=bad)
         self.compression_seconds += time.perf_counter() - started
-
-    def wire_elements(self, phase: Phase) -> int:
-        if phase is Phase.DENSE:
-            return super().wire_elements(phase)
-        return sum(lay.payload_numel(Phase.P) + (lay.payload_numel(Phase.Q)
-                                                 if lay.compressed else 0)
-                   for lay in self.layouts.values())
 
 
 class PowerSGDOptimizer(DistributedOptimizer):

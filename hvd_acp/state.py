@@ -17,8 +17,12 @@ Per compressed parameter (a gradient viewed as an (n, m) matrix ``M``)::
 ``Qh`` and ``Ph`` are the orthonormalized factors of the previous step
 (:meth:`CompressionState.orthonormal_bases`). The maths itself is in
 :mod:`.compression`; this module owns the tensors and their lifecycle:
-initial factors, commit, repair after a non-finite average, checkpoints and
-the settings every rank must share.
+initial factors, a slot's payload (:meth:`CompressionState.encode_`, the
+residual left for after the launch where a front end asks), an averaged
+buffer back into the gradients with one non-finite test per buffer
+(:meth:`CompressionState.decode_`: commit, reconstruct, or repair),
+checkpoints and the settings every rank must share. The front ends only
+register hooks, fill buffers, launch and wait.
 
 Under ``matrix_rank="auto"`` (:mod:`.autorank`) the rank of each tensor
 changes at probe steps, at the same step on every rank: :meth:`CompressionState.probe_payload_`
@@ -34,21 +38,23 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import numbers
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+import threading
+from typing import Dict, Iterable, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor
 
 from .autorank import AutoRank, choose_rank, energy_curve, parse_matrix_rank, spectral_factors
 from .compression import (Phase, compress_, compress_columns_, compute_dtype, init_factor,
-                          local_residual_, local_residual_columns_,
-                          orthonormal_copies, phase_of, reconstruct_)
+                          local_residual_, local_residual_columns_, orthonormal_copies,
+                          orthonormalize_, phase_of, reconstruct_)
 from .fusion import TensorLayout, make_layouts, rank_limit
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["STATE_FORMAT_VERSION", "CompressedTensor", "CompressionState",
+__all__ = ["STATE_FORMAT_VERSION", "CompressedTensor", "CompressionState", "PendingResidual",
            "check_compression_settings", "check_state_version"]
 
 #: Version of :meth:`CompressionState.state_dict`'s format: residuals in the
@@ -75,12 +81,6 @@ def check_compression_settings(matrix_rank, min_compression_rate, warmup_steps, 
         raise TypeError(f"seed must be an int, got {seed!r}")
 
 
-def describe_differences(reference: dict, other: dict, rank: int) -> str:
-    """``"key=a on rank 0 but b on rank N; ..."`` for the settings that differ."""
-    return "; ".join(f"{key}={value!r} on rank 0 but {other.get(key)!r} on rank {rank}"
-                     for key, value in reference.items() if other.get(key) != value)
-
-
 class CompressedTensor:
     """Factors and error-feedback residual of one compressed parameter.
 
@@ -91,7 +91,7 @@ class CompressedTensor:
         error: shape (n, m), this rank's residual ``E``.
     """
 
-    __slots__ = ("layout", "p", "q", "error", "_error_shaped", "_basis_t")
+    __slots__ = ("layout", "p", "q", "error", "_error_shaped", "_basis_t", "_sent")
 
     def __init__(self, layout: TensorLayout, generator: torch.Generator,
                  device: torch.device) -> None:
@@ -106,6 +106,9 @@ class CompressedTensor:
         #: (basis, basis.T): a P step's basis is used transposed twice (the
         #: residual, the reconstruction); the view is made once.
         self._basis_t: Tuple[Optional[Tensor], Optional[Tensor]] = (None, None)
+        #: A copy of this rank's P_i for a residual computed after the launch
+        #: (the all-reduce writes the average over the slot); made once per shape.
+        self._sent: Optional[Tensor] = None
 
     def resize_(self, layout: TensorLayout, p: Tensor, q: Tensor) -> None:
         """Take a new rank (``layout.r``) with the factors ``p`` (n, r) and
@@ -119,8 +122,13 @@ class CompressedTensor:
         """The factor a step of ``phase`` projects on: Q for a P step, P for a Q step."""
         return self.q if phase is Phase.P else self.p
 
+    def committed(self, phase: Phase) -> Tensor:
+        """The factor a step of ``phase`` averages: P for a P step, Q for a Q step."""
+        return self.p if phase is Phase.P else self.q
+
     def compress_(self, phase: Phase, grad: Optional[Tensor], basis: Tensor, out: Tensor, *,
-                  residual: bool = True, record=None) -> None:
+                  residual: bool = True, defer: bool = False,
+                  record=None) -> Optional["PendingResidual"]:
         """This rank's factor of ``grad`` into ``out``, with error feedback.
 
         Args:
@@ -132,25 +140,16 @@ class CompressedTensor:
             residual: keep ``E = A - out @ basis.T``. Without it ``error``
                 holds ``A`` afterwards (Power-SGD's first projection, whose
                 residual the second one computes).
+            defer: leave the residual for later and return what it needs, so
+                that ``out`` goes on the wire before the residual's GEMM. A P
+                step's residual then reads a copy of ``P_i`` this tensor owns
+                (an all-reduce in place writes the average over ``out``).
             record: a :class:`~hvd_acp.diagnostics.StepRecord` to add to.
 
-        Modifies ``error`` in place. The same as :meth:`project_` followed by
-        :meth:`settle_`, which a front end calls apart to put ``out`` on the
-        wire before the residual's GEMM.
-        """
-        factor_t = self.project_(phase, grad, basis, out, record=record)
-        if residual:
-            self.settle_(phase, basis, out if phase is Phase.P else factor_t)
-
-    def project_(self, phase: Phase, grad: Optional[Tensor], basis: Tensor, out: Tensor, *,
-                 record=None) -> Optional[Tensor]:
-        """The first half of :meth:`compress_`: ``A = M + E`` (in ``error``)
-        and this rank's factor ``A @ basis`` into ``out``.
-
         Returns:
-            For a Q step ``Q_i^T`` (r, m), which :meth:`settle_` takes; for a
-            P step None: :meth:`settle_` takes ``P_i`` itself, ``out`` or a
-            copy of it (an all-reduce in place overwrites ``out``).
+            With ``defer`` the :class:`PendingResidual` to finish; else None.
+
+        Modifies ``error`` in place (it holds ``A`` until the residual is done).
         """
         error = self.error
         if grad is None:
@@ -160,19 +159,28 @@ class CompressedTensor:
             matrix, grad = grad, None
         else:
             matrix = grad = _as_matrix(grad, self.layout)
-        factor_t = None
         if phase is Phase.P:
             compress_(grad, error, basis, out)        # A = M + E, P_i = A Qh
+            factor = out
         else:
-            factor_t = compress_columns_(grad, error, basis, out)   # Q_i = A^T Ph
+            factor = compress_columns_(grad, error, basis, out)   # Q_i = A^T Ph; Q_i^T back
         if record is not None:
             record.add_compressed(matrix, error, out)   # norms: either orientation
-        return factor_t
+        if not residual:
+            return None
+        if not defer:
+            self._residual_(phase, basis, factor)
+            return None
+        if phase is Phase.P:
+            sent = self._sent
+            if sent is None or sent.shape != out.shape or sent.dtype != out.dtype:
+                sent = self._sent = torch.empty_like(out)
+            factor = sent.copy_(out)
+        return PendingResidual(self, phase, basis, factor)
 
-    def settle_(self, phase: Phase, basis: Tensor, factor: Tensor) -> None:
-        """The second half of :meth:`compress_`: ``E = A - P_i Qh^T`` (P step,
-        ``factor`` is ``P_i`` (n, r)) or ``E = A - Ph Q_i^T`` (Q step,
-        ``factor`` is the ``Q_i^T`` (r, m) :meth:`project_` returned)."""
+    def _residual_(self, phase: Phase, basis: Tensor, factor: Tensor) -> None:
+        """``E = A - P_i Qh^T`` (P step, ``factor`` is ``P_i`` (n, r)) or
+        ``E = A - Ph Q_i^T`` (Q step, ``factor`` is ``Q_i^T`` (r, m))."""
         if phase is Phase.P:
             local_residual_(self.error, factor, basis, self._transpose(basis))
         else:
@@ -211,6 +219,23 @@ class CompressedTensor:
             self.repair_()
         self.reconstruct_(phase, factor, basis, target)
 
+    def decode_(self, phase: Phase, averaged: Tensor, basis: Tensor, grad: Tensor, *,
+                commit: bool = True, record=None) -> None:
+        """:meth:`apply_` into ``grad``, the parameter's gradient: any shape of
+        ``n * m`` elements and any dtype (written through a matrix of the
+        compute dtype where it is not one already)."""
+        lay = self.layout
+        direct = grad.dtype == lay.dtype and grad.is_contiguous()
+        if direct:
+            target = grad if grad.shape == (lay.n, lay.m) else grad.view(lay.n, lay.m)
+        else:
+            target = torch.empty(lay.n, lay.m, dtype=lay.dtype, device=grad.device)
+        self.apply_(phase, averaged, basis, target, commit)
+        if record is not None:
+            record.add_feedback(target, self.error)
+        if not direct:
+            grad.copy_(target.view(grad.shape))
+
     def repair_(self) -> None:
         """Restart the residual from zero (after a non-finite average)."""
         self.error.zero_()
@@ -230,6 +255,20 @@ class CompressedTensor:
             self.error.copy_(entry["error"])
         else:
             self.error.zero_()
+
+
+class PendingResidual:
+    """A residual :meth:`CompressedTensor.compress_` left for later (``defer``)."""
+
+    __slots__ = ("tensor", "phase", "basis", "factor")
+
+    def __init__(self, tensor: CompressedTensor, phase: Phase, basis: Tensor,
+                 factor: Tensor) -> None:
+        self.tensor, self.phase, self.basis, self.factor = tensor, phase, basis, factor
+
+    def finish_(self) -> None:
+        """Compute the residual: ``E = A - P_i Qh^T`` (or ``A - Ph Q_i^T``)."""
+        self.tensor._residual_(self.phase, self.basis, self.factor)
 
 
 def _as_matrix(grad: Tensor, lay: TensorLayout) -> Tensor:
@@ -269,6 +308,13 @@ class CompressionState:
         layouts: name -> :class:`~hvd_acp.fusion.TensorLayout` of every
             parameter added, compressed or not.
         tensors: name -> :class:`CompressedTensor` of the compressed ones.
+        nonfinite_steps: steps whose averaged payload held inf or NaN (see
+            :meth:`decode_`).
+
+    A front end fills each fused buffer's slots with :meth:`encode_`,
+    launches the buffer's all-reduce, finishes the residual it was handed
+    back, and once the average is in writes the gradients with
+    :meth:`decode_`.
     """
 
     def __init__(self, *, matrix_rank: int, min_compression_rate: float, warmup_steps: int,
@@ -292,6 +338,10 @@ class CompressionState:
         #: Loaded entries of parameters not added yet (see load_state_dict).
         self._pending: Optional[Dict[str, dict]] = None
         self._pending_keep_error = False
+        self.nonfinite_steps = 0
+        self._last_nonfinite: Optional[int] = None
+        #: DDP runs each bucket's decode on a communication thread.
+        self._lock = threading.Lock()
 
     # --------------------------------------------------------------- layout
     def add(self, name: str, shape: Sequence[int], dtype: torch.dtype,
@@ -328,12 +378,127 @@ class CompressionState:
     def probing(self) -> bool:
         """Whether the current step is an auto-rank probe (DENSE, residuals
         sent along, ranks chosen from the average)."""
-        since = self.step_count - self.warmup_steps
+        return self.probes_at(self.step_count)
+
+    def probes_at(self, step: int) -> bool:
+        """Whether step ``step`` is an auto-rank probe."""
+        since = step - self.warmup_steps
         return self.auto is not None and since >= 0 and self.auto.is_probe(since)
 
     def ranks(self) -> Dict[str, int]:
         """name -> rank of every compressed tensor."""
         return {name: t.layout.r for name, t in self.tensors.items()}
+
+    # ------------------------------------------------------- encode, decode
+    def encode_(self, name: str, grad: Optional[Tensor], out: Tensor, phase: Phase, *,
+                basis: Optional[Tensor] = None, residual: bool = True, defer: bool = False,
+                record=None) -> Optional[PendingResidual]:
+        """This rank's payload of ``name`` in a step of ``phase`` into ``out``,
+        its slot of a fused buffer (shape ``layout.payload_shape(phase)``).
+
+        A compressed tensor outside warm-up sends its factor
+        (:meth:`CompressedTensor.compress_`, on ``basis``, by default the
+        factor it reuses as it is); at a probe step ``M + E``
+        (:meth:`probe_payload_`); anything else its gradient, or zeros for
+        ``grad=None``.
+
+        Returns:
+            The residual left for after the launch (``defer``), or None.
+        """
+        tensor = self.tensors.get(name)
+        if tensor is not None and phase is not Phase.DENSE:
+            return tensor.compress_(phase, grad, tensor.reused(phase) if basis is None else basis,
+                                    out, residual=residual, defer=defer, record=record)
+        if tensor is not None and self.probing:
+            self.probe_payload_(name, grad, out)        # M + E, residual paid
+        elif grad is None:
+            out.zero_()
+        else:
+            out.copy_(grad if grad.shape == out.shape else grad.reshape(out.shape))
+        return None
+
+    def decode_(self, phase: Phase, buffer: Tensor, members: Sequence[Tuple[str, Tensor]],
+                grads: Sequence[Optional[Tensor]],
+                bases: Optional[Dict[str, Tensor]] = None, *, bad: Iterable[str] = (),
+                reconstruct: bool = True, step: Optional[int] = None,
+                record=None) -> Set[str]:
+        """Write one averaged buffer into the gradients.
+
+        A compressed tensor outside warm-up commits its averaged factor and
+        writes ``G`` (P step: ``P Qh^T``, Q step: ``Ph Q^T``); anything else
+        copies its average, and at a probe step a compressed tensor then
+        chooses its rank from it (:meth:`probe_`).
+
+        The averaged buffer is identical on every rank, so every rank finds
+        the same slots non-finite (one sum over the buffer, then slot by slot
+        only if that sum is not finite) and repairs the same state: such a
+        tensor keeps its factor and restarts its residual from zero, and the
+        non-finite gradient is still written, where a ``GradScaler`` sees it
+        and skips the step.
+
+        Args:
+            phase: the buffer's phase.
+            buffer: the averaged flat buffer.
+            members: (name, averaged slot of ``buffer``) of its tensors.
+            grads: per member the gradient to write (any shape of its
+                ``n * m`` elements, any dtype), or None to leave it alone (a
+                gradient sent apart).
+            bases: name -> the basis each compressed factor was projected
+                on; by default the factor it reuses.
+            bad: names already found non-finite in this step (Power-SGD's
+                first all-reduce).
+            reconstruct: False only commits the compressed factors (Power-SGD's
+                P, orthonormalized before its second projection).
+            step: the step the buffer belongs to (default: the current one).
+            record: a :class:`~hvd_acp.diagnostics.StepRecord` to add to.
+
+        Returns:
+            The names whose average (or ``bad``'s) was not finite.
+        """
+        found = self.nonfinite(buffer, members)
+        bad = found.union(bad) if bad else found
+        step = self.step_count if step is None else step
+        probing = phase is Phase.DENSE and self.probes_at(step)
+        for (name, averaged), grad in zip(members, grads):
+            if grad is None:
+                continue
+            tensor = self.tensors.get(name)
+            if tensor is None or phase is Phase.DENSE:
+                grad.copy_(averaged if averaged.shape == grad.shape
+                           else averaged.view(grad.shape))
+                if probing and tensor is not None and name not in bad:
+                    self.probe_(name, averaged, step)       # rank chosen from the average
+            elif reconstruct:
+                tensor.decode_(phase, averaged,
+                               tensor.reused(phase) if bases is None else bases[name], grad,
+                               commit=name not in bad, record=record)
+            else:
+                tensor.commit_(phase, averaged)
+        if found:
+            with self._lock:
+                if self._last_nonfinite != step:
+                    self._last_nonfinite = step
+                    self.nonfinite_steps += 1
+            logger.info("step %d: non-finite averaged gradient for %d tensor(s); factors "
+                        "kept, error feedback reset", step, len(found))
+        return bad
+
+    @staticmethod
+    def nonfinite(buffer: Tensor, members: Iterable[Tuple[str, Tensor]]) -> Set[str]:
+        """Names of the members whose slot of ``buffer`` holds inf or NaN.
+
+        One reduction and one read per buffer: a sum is finite unless an
+        entry is inf or NaN (or the sum overflows, when the test slot by
+        slot finds nothing).
+        """
+        if math.isfinite(float(buffer.sum())):
+            return set()
+        return {name for name, view in members if not bool(torch.isfinite(view).all())}
+
+    def orthonormalize_p_(self, names: Iterable[str]) -> None:
+        """``P = orth(P)`` in place for ``names`` (Power-SGD between its two
+        all-reduces); same-shaped factors in one batched call."""
+        orthonormalize_(self.tensors[name].p for name in names)
 
     def probe_payload_(self, name: str, grad: Optional[Tensor], out: Tensor) -> None:
         """A probe step's payload of a compressed tensor into ``out`` (any shape
@@ -600,11 +765,3 @@ def describe_ranks(ranks: Dict[str, int]) -> str:
     return (f"{len(values)} tensors, rank {values[0]}-{values[-1]} "
             f"(median {values[len(values) // 2]})")
 
-
-def nonfinite_names(slots: Iterable[Tuple[str, Tensor]]) -> List[str]:
-    """Names of the averaged slots holding inf or NaN.
-
-    An averaged payload is identical on every rank, so every rank finds the
-    same names and repairs the same state.
-    """
-    return [name for name, view in slots if not bool(torch.isfinite(view).all())]

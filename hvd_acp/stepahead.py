@@ -34,11 +34,12 @@ a training forward and ``step()``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import numbers
 import weakref
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -48,10 +49,8 @@ from .compression import step_ahead_shift
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_STEP_AHEAD", "StepAhead", "check_step_ahead", "eventual_step"]
-
-#: Default ``a`` of step-ahead error feedback, in both front ends.
-DEFAULT_STEP_AHEAD = 0.2
+__all__ = ["AppliedScale", "StepAhead", "check_step_ahead", "check_step_hooks",
+           "eventual_step", "hook_optimizer_steps", "release"]
 
 
 def check_step_ahead(step_ahead) -> None:
@@ -95,15 +94,25 @@ class StepAhead:
     """Applies and removes the step-ahead shift of the compressed parameters.
 
     Args:
-        reducer: the :class:`~hvd_acp.reducer.ACPReducer` whose residuals
-            (``reducer.errors``) and parameters are shifted.
-        optimizer: the wrapped torch optimizer (learning rates, and Adam's
-            second moments for the adaptive shift).
+        state: the :class:`~hvd_acp.state.CompressionState` whose residuals
+            shift the parameters of the same names.
+        params: name -> parameter, for every name of ``state``.
+        optimizer: the torch optimizer that updates them (learning rates,
+            and Adam's second moments for the adaptive shift).
         step_ahead: ``a``; 0 switches the mechanism off.
+        share: returns this rank's part of an all-reduced result (1 where
+            the front end averages; see :func:`.compression.step_ahead_shift`).
+        included: False on a rank that sends nothing (outside the process
+            set): it keeps no residual and is never shifted.
     """
 
-    def __init__(self, reducer, optimizer: torch.optim.Optimizer, step_ahead: float):
-        self.reducer = reducer
+    def __init__(self, state, params: Dict[str, Tensor], optimizer: torch.optim.Optimizer,
+                 step_ahead: float, *, share: Callable[[], float] = lambda: 1.0,
+                 included: bool = True):
+        self.state = state
+        self.params = params
+        self.share = share
+        self.included = included
         self.optimizer = optimizer
         self.step_ahead = float(step_ahead)
         #: A shift is owed before the next training forward pass.
@@ -122,7 +131,7 @@ class StepAhead:
         # parameters (another model's forward must not shift ours).
         self._owners: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = \
             weakref.WeakKeyDictionary()
-        self._param_ids = {id(p) for p in reducer.params.values()}
+        self._param_ids = {id(p) for p in params.values()}
         if self.step_ahead:
             ref = weakref.ref(self)
 
@@ -159,13 +168,11 @@ class StepAhead:
 
         Args:
             unit: the factor the user applied to the written gradients
-                before the update (:meth:`ACPReducer.applied_scale`: AMP's
+                before the update (:meth:`AppliedScale.scale`: AMP's
                 ``1 / scale``), which the residuals, in written units, need too.
         """
         self.unit = float(unit)
-        # A rank outside the process set sends nothing and keeps no residual.
-        self.pending = (bool(self.step_ahead) and bool(self.reducer.errors)
-                        and getattr(self.reducer, "included", True))
+        self.pending = bool(self.step_ahead) and bool(self.state.tensors) and self.included
 
     def _groups(self) -> Dict[int, Tuple[dict, dict]]:
         found = {}
@@ -184,10 +191,10 @@ class StepAhead:
         self.pending = False
         if self._applied:
             return
-        share = self.reducer.share() / self.unit
+        share = self.share() / self.unit
         groups = self._groups()
-        for name, error in self.reducer.errors.items():
-            param = self.reducer.params[name]
+        for name, tensor in self.state.tensors.items():
+            error, param = tensor.error, self.params[name]
             if not param.requires_grad or id(param) not in groups:
                 continue
             group, state = groups[id(param)]
@@ -237,7 +244,7 @@ class StepAhead:
         keeps the user's value: that write wins.
         """
         for name, (swapped, version) in self._applied.items():
-            param = self.reducer.params[name]
+            param = self.params[name]
             if param._version == version:
                 self._put_back(name, param, swapped)
             elif warn:
@@ -273,7 +280,7 @@ class StepAhead:
         entered = {}
         with torch.no_grad():
             for name, (swapped, _) in saved.items():
-                param = self.reducer.params[name]
+                param = self.params[name]
                 shifted = param.data if swapped else param.detach().clone()
                 self._put_back(name, param, swapped)
                 entered[name] = (param._version, shifted)
@@ -282,7 +289,7 @@ class StepAhead:
         finally:
             with torch.no_grad():
                 for name, (swapped, _) in saved.items():
-                    param = self.reducer.params[name]
+                    param = self.params[name]
                     version, shifted = entered[name]
                     if param._version != version:
                         continue                    # written inside: that is the truth now
@@ -292,6 +299,106 @@ class StepAhead:
                     else:
                         param.copy_(shifted)        # the spare still holds the true weights
                     self._applied[name] = (swapped, param._version)
+
+
+class AppliedScale:
+    """How the user rescaled the gradients a step wrote, before ``step()``.
+
+    ``GradScaler.unscale_`` multiplies them by ``1 / scale`` (clipping by its
+    own factor); the residuals are in the units of what was written, so the
+    shift needs that factor too (:meth:`StepAhead.after_step`). Each written
+    compressed gradient's norm is its averaged factor's (the basis is
+    orthonormal): nothing is read unless a gradient was changed.
+    """
+
+    def __init__(self) -> None:
+        self._factors: List[Optional[Tensor]] = []
+        self._versions: List[Tuple[Tensor, int]] = []
+
+    def clear(self) -> None:
+        self._factors, self._versions = [], []
+
+    def wrote(self, param: Tensor, factor: Optional[Tensor]) -> None:
+        """``param.grad`` was written with the averaged ``factor`` (None for a
+        non-finite one, which no scale explains)."""
+        self._factors.append(factor)
+        self._versions.append((param, param.grad._version))
+
+    def scale(self) -> float:
+        """1 when no written gradient changed; otherwise ``||p.grad|| / ||G||``
+        over the written ones, e.g. ``1 / scale`` after ``GradScaler.unscale_``."""
+        changed = any(p.grad is not None and p.grad._version != v for p, v in self._versions)
+        if not changed or any(f is None for f in self._factors):
+            return 1.0
+        written = sum(float(f.double().pow(2).sum()) for f in self._factors)
+        if written <= 0:
+            return 1.0
+        now = sum(float(p.grad.double().pow(2).sum())
+                  for p, _ in self._versions if p.grad is not None)
+        scale = (now / written) ** 0.5
+        return scale if scale == scale and scale != float("inf") else 1.0
+
+
+def check_step_hooks(optimizer) -> None:
+    """Raise ``TypeError`` unless ``optimizer`` is a torch optimizer with the
+    step hooks :func:`hook_optimizer_steps` registers."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    if not hasattr(optimizer, "_optimizer_step_pre_hooks"):
+        raise TypeError(
+            f"optimizer is a {type(optimizer).__name__}, a wrapper without the step hooks "
+            "of torch.optim.Optimizer (Accelerate's AcceleratedOptimizer is one): pass the "
+            "torch optimizer it wraps (its .optimizer)")
+
+
+def hook_optimizer_steps(optimizer: torch.optim.Optimizer, step_ahead: StepAhead) -> list:
+    """Around every ``optimizer.step()`` of a torch optimizer nobody wraps (the
+    DDP hook's): the update applies to the true weights, and the next
+    gradient is taken ahead of them again. Returns the hooks' handles.
+
+    ``optimizer.step(closure)`` (PyTorch Lightning's automatic optimization,
+    L-BFGS) runs the forward and backward passes inside the step: the true
+    weights come back once the closure has returned, before the update.
+    The hooks hold ``step_ahead`` weakly: they do not keep it alive.
+    """
+    ref = weakref.ref(step_ahead)
+
+    def restore_after(closure):
+        @functools.wraps(closure)
+        def wrapped(*args, **kwargs):
+            loss = closure(*args, **kwargs)
+            this = ref()
+            if this is not None:
+                this.restore()
+            return loss
+        return wrapped
+
+    def before_step(opt, args, kwargs):
+        # args are step()'s own: (optimizer, closure?).
+        if len(args) > 1 and callable(args[1]):
+            return (args[0], restore_after(args[1]), *args[2:]), kwargs
+        if callable(kwargs.get("closure")):
+            return args, dict(kwargs, closure=restore_after(kwargs["closure"]))
+        this = ref()
+        if this is not None:
+            this.restore()
+        return None
+
+    def after_step(opt, args, kwargs):
+        this = ref()
+        if this is not None:
+            this.after_step()
+
+    return [optimizer.register_step_pre_hook(before_step),
+            optimizer.register_step_post_hook(after_step)]
+
+
+def release(step_ahead: StepAhead, handles: list) -> None:
+    """Restore the true weights, remove the forward hook and ``handles``."""
+    step_ahead.close()
+    for handle in handles:
+        handle.remove()
 
 
 def _owns_storage(param: Tensor) -> bool:

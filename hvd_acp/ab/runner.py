@@ -16,7 +16,7 @@ import copy
 import dataclasses
 import gc
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -39,7 +39,8 @@ class Settings:
         warmup: untimed steps before them (an implementation that must start
             with more exact steps, torch's ``powerSGD_hook``, gets its
             minimum instead).
-        matrix_rank: rank of the compressed methods' factors.
+        matrix_rank: rank of the compressed methods' factors (None: each
+            front end's default, :class:`hvd_acp.Settings`).
         lr: learning rate of the SGD optimizer (momentum 0.9) under every method.
     """
 
@@ -47,7 +48,7 @@ class Settings:
     rounds: int = 6
     steps: int = 5
     warmup: int = 3
-    matrix_rank: int = 4
+    matrix_rank: Union[int, str, None] = None
     lr: float = 0.01
 
 

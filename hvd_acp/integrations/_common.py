@@ -1,5 +1,6 @@
-"""What the framework integrations share: the settings, the optimizer behind
-a framework's wrapper, registering the hook, per-rank checkpoint files.
+"""What the framework integrations share: the optimizer behind a framework's
+wrapper, registering the hook, per-rank checkpoint files. Their settings are
+every front end's (:class:`hvd_acp.Settings`), checked when given.
 
 Imports no framework.
 """
@@ -13,38 +14,12 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ..ddp import ACPState, acp_hook
-from ..state import check_compression_settings
-from ..stepahead import DEFAULT_STEP_AHEAD, check_step_ahead
+from ..settings import Settings
 
 logger = logging.getLogger(__name__)
 
 #: Per-rank file of the compression state in a framework's checkpoint folder.
 RANK_FILE = "hvd_acp_state_rank{rank}.pt"
-
-
-class Settings:
-    """The :class:`~hvd_acp.ddp.ACPState` settings an integration was given,
-    checked when given (not at the first backward pass, minutes later).
-
-    Args: as :class:`~hvd_acp.ddp.ACPState`.
-    """
-
-    def __init__(self, matrix_rank: int = 4, min_compression_rate: float = 2.0,
-                 warmup_steps: int = 0, seed: int = 0,
-                 step_ahead: float = DEFAULT_STEP_AHEAD) -> None:
-        check_compression_settings(matrix_rank, min_compression_rate, warmup_steps, seed)
-        check_step_ahead(step_ahead)
-        self.matrix_rank = matrix_rank
-        self.min_compression_rate = min_compression_rate
-        self.warmup_steps = warmup_steps
-        self.seed = seed
-        self.step_ahead = step_ahead
-
-    def as_dict(self) -> dict:
-        return {"matrix_rank": self.matrix_rank,
-                "min_compression_rate": self.min_compression_rate,
-                "warmup_steps": self.warmup_steps, "seed": self.seed,
-                "step_ahead": self.step_ahead}
 
 
 def torch_optimizer(optimizer, argument: str = "optimizer") -> torch.optim.Optimizer:
@@ -86,7 +61,7 @@ def register(model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
         RuntimeError: ``model`` has a communication hook already.
     """
     state = ACPState(named_parameters=model.module.named_parameters(), optimizer=optimizer,
-                     **settings.as_dict())
+                     **settings.as_kwargs())
     try:
         model.register_comm_hook(state, acp_hook)
     except RuntimeError as exc:

@@ -27,22 +27,22 @@ from __future__ import annotations
 import logging
 import os
 import weakref
+from typing import Optional
 
-import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch.nn.parallel import DistributedDataParallel
 
 from ..ddp import ACPState
-from ..stepahead import DEFAULT_STEP_AHEAD
-from ._common import RANK_FILE, Settings, load_rank_file, register, save_rank_file, torch_optimizer
+from ..settings import Settings
+from ._common import RANK_FILE, load_rank_file, register, save_rank_file, torch_optimizer
 
-__all__ = ["register_acp"]
+__all__ = ["NO_DDP", "register_acp"]
 
 logger = logging.getLogger(__name__)
 
 #: What each distributed type uses instead of a DDP module.
-_NO_DDP = {
+NO_DDP = {
     DistributedType.NO: "a single process has no gradient all-reduce to compress; launch "
                         "several processes (accelerate launch --num_processes N, or torchrun)",
     DistributedType.FSDP: "FSDP reduce-scatters sharded gradients, with no DDP communication "
@@ -56,9 +56,9 @@ _NO_DDP = {
 
 
 def register_acp(accelerator: Accelerator, model: DistributedDataParallel, optimizer, *,
-                 matrix_rank: int = 4, min_compression_rate: float = 2.0,
-                 warmup_steps: int = 0, seed: int = 0,
-                 step_ahead: float = DEFAULT_STEP_AHEAD) -> ACPState:
+                 matrix_rank=None, min_compression_rate: Optional[float] = None,
+                 warmup_steps: Optional[int] = None, seed: Optional[int] = None,
+                 step_ahead: Optional[float] = None) -> ACPState:
     """Train ``model`` with ACP-SGD: register :func:`hvd_acp.ddp.acp_hook` on it.
 
     Call it on every process, after ``accelerator.prepare(...)`` and before
@@ -70,7 +70,8 @@ def register_acp(accelerator: Accelerator, model: DistributedDataParallel, optim
         optimizer: the prepared optimizer (or the torch optimizer inside it)
             that updates ``model``'s parameters.
         matrix_rank, min_compression_rate, warmup_steps, seed, step_ahead:
-            as :class:`hvd_acp.ddp.ACPState` (its docstring says what to tune).
+            as for every front end (:class:`hvd_acp.Settings` says what to
+            tune; ``None``: the library's default).
 
     Returns:
         The hook's :class:`~hvd_acp.ddp.ACPState`: ``comm_stats.bytes_sent``
@@ -82,7 +83,8 @@ def register_acp(accelerator: Accelerator, model: DistributedDataParallel, optim
         TypeError: ``optimizer`` holds no torch optimizer.
         RuntimeError: ``model`` has a communication hook already.
     """
-    settings = Settings(matrix_rank, min_compression_rate, warmup_steps, seed, step_ahead)
+    settings = Settings(matrix_rank=matrix_rank, min_compression_rate=min_compression_rate,
+                        warmup_steps=warmup_steps, seed=seed, step_ahead=step_ahead)
     kind = accelerator.distributed_type
     launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if kind is DistributedType.NO and launched > 1:
@@ -91,9 +93,9 @@ def register_acp(accelerator: Accelerator, model: DistributedDataParallel, optim
         raise ValueError(f"register_acp: this process is one of WORLD_SIZE={launched}, but "
                          "Accelerate trains it alone (distributed_type=NO): on CPUs create "
                          "Accelerator(cpu=True) to train them together with DDP over Gloo")
-    if kind in _NO_DDP:
+    if kind in NO_DDP:
         raise ValueError(f"register_acp cannot train with distributed_type={kind.value}: "
-                         f"{_NO_DDP[kind]}")
+                         f"{NO_DDP[kind]}")
     if not isinstance(model, DistributedDataParallel):
         raise ValueError(f"model must be the DistributedDataParallel module that "
                          f"accelerator.prepare() returned, got {type(model).__name__}")

@@ -39,8 +39,8 @@ except ImportError:  # the standalone package
 from torch.nn.parallel import DistributedDataParallel
 
 from ..ddp import ACPState
-from ..stepahead import DEFAULT_STEP_AHEAD
-from ._common import Settings, register, torch_optimizer
+from ..settings import Settings
+from ._common import register, torch_optimizer
 
 __all__ = ["ACPCallback"]
 
@@ -52,8 +52,8 @@ class ACPCallback(pl.Callback):
 
     Args:
         matrix_rank, min_compression_rate, warmup_steps, seed, step_ahead:
-            as :class:`hvd_acp.ddp.ACPState` (its docstring says what to
-            tune); checked here.
+            as for every front end (:class:`hvd_acp.Settings` says what to
+            tune; ``None``: the library's default); checked here.
 
     Attributes:
         state: the :class:`~hvd_acp.ddp.ACPState` of the current (or last)
@@ -66,11 +66,12 @@ class ACPCallback(pl.Callback):
         NotImplementedError: more than one optimizer.
     """
 
-    def __init__(self, matrix_rank: int = 4, *, min_compression_rate: float = 2.0,
-                 warmup_steps: int = 0, seed: int = 0,
-                 step_ahead: float = DEFAULT_STEP_AHEAD) -> None:
-        self.settings = Settings(matrix_rank, min_compression_rate, warmup_steps, seed,
-                                 step_ahead)
+    def __init__(self, matrix_rank=None, *, min_compression_rate: Optional[float] = None,
+                 warmup_steps: Optional[int] = None, seed: Optional[int] = None,
+                 step_ahead: Optional[float] = None) -> None:
+        self.settings = Settings(matrix_rank=matrix_rank,
+                                 min_compression_rate=min_compression_rate,
+                                 warmup_steps=warmup_steps, seed=seed, step_ahead=step_ahead)
         self.state: Optional[ACPState] = None
         #: A checkpoint's state, loaded into the next fit's ACPState.
         self._to_load: Optional[Dict[str, Any]] = None
@@ -98,8 +99,8 @@ class ACPCallback(pl.Callback):
         if self._to_load is not None:
             self.state.load_state_dict(self._to_load)
             self._to_load = None
-        logger.info("hvd_acp: acp_hook registered (matrix_rank=%d, step %d)",
-                    self.settings.matrix_rank, self.state.step_count)
+        logger.info("hvd_acp: acp_hook registered (matrix_rank=%r, step %d)",
+                    self.state.settings.matrix_rank, self.state.step_count)
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                  stage: str) -> None:

@@ -45,9 +45,9 @@ from transformers import Trainer, TrainerCallback
 from transformers.training_args import ParallelMode
 
 from ..ddp import ACPState
-from ..stepahead import DEFAULT_STEP_AHEAD
-from ._common import Settings, load_rank_file, register, save_rank_file, torch_optimizer
-from .accelerate import _NO_DDP
+from ..settings import Settings
+from ._common import load_rank_file, register, save_rank_file, torch_optimizer
+from .accelerate import NO_DDP
 
 __all__ = ["ACPCallback", "register_acp"]
 
@@ -57,27 +57,30 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_FOLDER = "checkpoint-{step}"
 
 
-def register_acp(trainer: Trainer, *, matrix_rank: int = 4, min_compression_rate: float = 2.0,
-                 warmup_steps: int = 0, seed: int = 0,
-                 step_ahead: float = DEFAULT_STEP_AHEAD) -> "ACPCallback":
+def register_acp(trainer: Trainer, *, matrix_rank=None,
+                 min_compression_rate: Optional[float] = None,
+                 warmup_steps: Optional[int] = None, seed: Optional[int] = None,
+                 step_ahead: Optional[float] = None) -> "ACPCallback":
     """Make ``trainer.train()`` train with ACP-SGD; returns the callback added.
 
     Args:
         trainer: a ``transformers.Trainer`` (or subclass) whose processes
             train with DDP (launched by ``torchrun`` or ``accelerate launch``).
         matrix_rank, min_compression_rate, warmup_steps, seed, step_ahead:
-            as :class:`hvd_acp.ddp.ACPState` (its docstring says what to tune).
+            as for every front end (:class:`hvd_acp.Settings` says what to
+            tune; ``None``: the library's default).
 
     Raises:
         ValueError: the Trainer trains without a DDP module (one process,
             ``nn.DataParallel``, FSDP, DeepSpeed, ...).
     """
-    settings = Settings(matrix_rank, min_compression_rate, warmup_steps, seed, step_ahead)
+    settings = Settings(matrix_rank=matrix_rank, min_compression_rate=min_compression_rate,
+                        warmup_steps=warmup_steps, seed=seed, step_ahead=step_ahead)
     if getattr(trainer, "is_deepspeed_enabled", False):
         raise ValueError("register_acp cannot train with DeepSpeed: "
-                         + _NO_DDP[DistributedType.DEEPSPEED])
+                         + NO_DDP[DistributedType.DEEPSPEED])
     if getattr(trainer, "is_fsdp_enabled", False):
-        raise ValueError("register_acp cannot train with FSDP: " + _NO_DDP[DistributedType.FSDP])
+        raise ValueError("register_acp cannot train with FSDP: " + NO_DDP[DistributedType.FSDP])
     mode = trainer.args.parallel_mode
     if mode is not ParallelMode.DISTRIBUTED:
         hint = {ParallelMode.NOT_PARALLEL: "a single process has no gradient all-reduce to "
@@ -89,9 +92,9 @@ def register_acp(trainer: Trainer, *, matrix_rank: int = 4, min_compression_rate
                          f"parallel_mode={mode.value}: "
                          + hint.get(mode, "launch one process per device with torchrun"))
     kind = trainer.accelerator.distributed_type
-    if kind in _NO_DDP:
+    if kind in NO_DDP:
         raise ValueError(f"register_acp cannot train with distributed_type={kind.value}: "
-                         f"{_NO_DDP[kind]}")
+                         f"{NO_DDP[kind]}")
     callback = ACPCallback(trainer, settings)
     trainer.add_callback(callback)
     return callback

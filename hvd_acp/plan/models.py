@@ -117,9 +117,11 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default: str = None,
 
 
 def default_matrix_rank(model: str) -> int:
-    """The paper's ``matrix_rank`` for ``model``; hvd_acp's default (4) for a user's model."""
+    """The paper's ``matrix_rank`` for ``model``; hvd_acp's default
+    (:meth:`hvd_acp.Settings.resolve`) for a user's model."""
     if is_user_model(model):
-        return 4
+        from ..settings import Settings
+        return Settings().resolve().matrix_rank
     if model not in _DEFAULT_MATRIX_RANK:
         raise ValueError(f"model must be one of {MODELS}, got {model!r}")
     return _DEFAULT_MATRIX_RANK[model]

@@ -34,7 +34,8 @@ from torch import Tensor, nn
 
 from ..autorank import parse_matrix_rank
 from ..compression import Phase, compute_dtype, orthonormalize_
-from ..fusion import make_layouts, plan_buckets
+from ..fusion import DEFAULT_FUSION_THRESHOLD_BYTES, make_layouts, plan_buckets
+from ..settings import Settings
 from ..state import CompressedTensor, CompressionState
 from .models import to_device
 
@@ -43,8 +44,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["profile_model", "profile_builtin", "PROFILE_FORMAT", "DEFAULT_FUSION_THRESHOLD_BYTES"]
 
 PROFILE_FORMAT = 1
-#: hvd_acp.DistributedOptimizer's default fusion_threshold_bytes.
-DEFAULT_FUSION_THRESHOLD_BYTES = 25 * 1024 * 1024
 #: DDP's defaults: the first bucket 1 MiB, the others bucket_cap_mb=25.
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
@@ -163,13 +162,15 @@ def _bucket_dicts(buckets) -> List[dict]:
             for b in buckets]
 
 
-def probed_state(named, matrix_rank, min_compression_rate: float = 2.0) -> CompressionState:
+def probed_state(named, matrix_rank, min_compression_rate: Optional[float] = None
+                 ) -> CompressionState:
     """The compression state of the (name, parameter) pairs ``named`` at
     ``matrix_rank``; under ``"auto"`` each compressed tensor probed on its
     parameter's gradient now (one process: its gradient is the average), so
     that its layout has the rank auto chooses from it."""
-    state = CompressionState(matrix_rank=matrix_rank, min_compression_rate=min_compression_rate,
-                             warmup_steps=0, seed=0)
+    settings = Settings(matrix_rank=matrix_rank, min_compression_rate=min_compression_rate,
+                        warmup_steps=0, seed=0).resolve()
+    state = CompressionState(**settings.compression_kwargs())
     for name, param in named:
         state.add(name, param.shape, param.dtype, torch.device("cpu"))
         if state.auto is not None and name in state.tensors and param.grad is not None:
@@ -177,18 +178,19 @@ def probed_state(named, matrix_rank, min_compression_rate: float = 2.0) -> Compr
     return state
 
 
-def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_rank: int = 4,
+def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_rank=None,
                   device: Optional[str] = None, optimizer: Optional[torch.optim.Optimizer] = None,
                   steps: int = 3, warmup: int = 1, repeats: int = 3,
                   fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD_BYTES,
-                  min_compression_rate: float = 2.0, description: str = "") -> dict:
+                  min_compression_rate: Optional[float] = None, description: str = "") -> dict:
     """Profile one training step of ``model`` (see the module docstring).
 
     Args:
         model: the module (moved to ``device``; trained for a few steps).
         example_batch: a tensor, tuple or dict of tensors (moved to ``device``).
         loss_fn: ``loss_fn(model, batch)`` returns the scalar loss.
-        matrix_rank: rank r of the factors; ``"auto"`` (or an
+        matrix_rank: rank r of the factors (None: the library's default,
+            :class:`hvd_acp.Settings`, for ``optimizer``); ``"auto"`` (or an
             :class:`~hvd_acp.AutoRank`): the ranks its probe chooses from the
             last profiled step's gradients (torch's ``powerSGD_hook``, which
             takes one rank, is profiled at ``max_rank``).
@@ -203,7 +205,7 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
     Returns:
         The profile, a JSON-serializable dict.
     """
-    fixed_rank, auto = parse_matrix_rank(matrix_rank)
+    given = Settings(matrix_rank=matrix_rank, min_compression_rate=min_compression_rate)
     for arg, value in (("steps", steps), ("repeats", repeats)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{arg} must be a positive int, got {value!r}")
@@ -222,6 +224,9 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
         raise ValueError("the model has no parameter that requires a gradient")
     if optimizer is None:
         optimizer = torch.optim.SGD([p for _, p in named], lr=1e-3, momentum=0.9)
+    settings = given.resolve(optimizer)
+    matrix_rank, min_compression_rate = settings.matrix_rank, settings.min_compression_rate
+    fixed_rank, auto = parse_matrix_rank(matrix_rank)
 
     ready: Dict[str, List[float]] = {n: [] for n, _ in named}
     clock = {"t": 0.0, "on": False}

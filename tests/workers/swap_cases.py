@@ -336,7 +336,7 @@ def case_process_set():
     assert_close(flat(ours), flat(local), rtol=1e-5, atol=1e-6)
     if rank == 1:
         assert torch.equal(flat(ours), flat(local)), "rank 1 did not step locally"
-        assert opt.comm_stats.allreduces == 0 and not opt.reducer._hooks
+        assert opt.comm_stats.allreduces == 0 and not opt.reducer.hooks.handles
         assert opt.step_count == 0
     else:
         assert opt.comm_stats.allreduces > 0 and opt.step_count == 4
