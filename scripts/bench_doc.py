@@ -1,4 +1,5 @@
-"""Rebuild the generated parts of docs/benchmarks.md from bench-results/.
+"""Rebuild the generated parts of docs/benchmarks.md, README.md and docs/ddp.md
+from bench-results/.
 
     .venv/bin/python scripts/bench_doc.py
 
@@ -25,6 +26,15 @@ said to be faster than another is the verdict of that run's interval:
   strongest baselines and its ablations (:data:`BASELINE_TARGETS` and
   :data:`ABLATIONS` against :data:`BASELINE_RUNS`), and the operator calls
   per step of the ``--count-ops`` runs (:data:`OPS_RUNS`).
+
+README.md and docs/ddp.md quote the figures a user reads first, between
+``<!-- bench:readme -->`` ... ``<!-- end bench:readme -->`` (ACP-SGD against
+S-SGD and Power-SGD per link, :data:`README_RUNS`, and against S-SGD with
+fp16 gradients) and ``<!-- bench:ddp -->`` ... ``<!-- end bench:ddp -->``
+(the DDP hook against ``powerSGD_hook``, :data:`DDP_RUNS`), each figure
+beside a link to the results.md it comes from: tests/test_docs.py checks
+that these sections are what this script renders and that every figure
+quoted next to such a link is in the file it links.
 
 The hand-written parts around the markers are kept. A run ``DIR`` may have a
 second invocation of the same command in ``DIR_rerun``: the targets then say
@@ -54,6 +64,8 @@ RUNS_MARKERS = ("<!-- runs -->", "<!-- end runs -->")
 TARGETS_MARKERS = ("<!-- targets -->", "<!-- end targets -->")
 TIME_MARKERS = ("<!-- time -->", "<!-- end time -->")
 BASELINE_MARKERS = ("<!-- baselines -->", "<!-- end baselines -->")
+README_MARKERS = ("<!-- bench:readme -->", "<!-- end bench:readme -->")
+DDP_MARKERS = ("<!-- bench:ddp -->", "<!-- end bench:ddp -->")
 RERUN_SUFFIX = "_rerun"
 #: How the older results.json files in bench-results/ name the benchmark's
 #: command (newer ones record :data:`PROG`); with the same options it runs from
@@ -195,6 +207,18 @@ ABLATIONS = (
 OPS_RUNS = (
     ("ops_resnet50", "ResNet-50"),
     ("ops_bert-base", "BERT-Base"),
+)
+
+#: Rows of the README's table: (run, model and link).
+README_RUNS = (
+    ("resnet50_100mbit_baselines", "ResNet-50, 100 Mbit/s"),
+    ("bert-base_200mbit_baselines", "BERT-Base, 200 Mbit/s"),
+    ("resnet50_10gbit", "ResNet-50, 10 Gbit/s"),
+)
+#: The runs docs/ddp.md quotes for the DDP hook's speed.
+DDP_RUNS = (
+    ("resnet50_100mbit_baselines", "ResNet-50 at 100 Mbit/s per node"),
+    ("bert-base_200mbit_baselines", "BERT-Base at 200 Mbit/s per node"),
 )
 
 #: Half-width of ACP-SGD's interval against Power-SGD's step, as a share of its median.
@@ -448,6 +472,80 @@ def time_table(results_dir: Path) -> List[str]:
     return lines + ["", "Seconds per step: medians over the rounds [interval]."]
 
 
+def _run_link(results_dir: Path, run: str, page: Path, text: str = "run") -> str:
+    target = Path(os.path.relpath(results_dir / run / "results.md", page.parent)).as_posix()
+    return f"[{text}]({target})"
+
+
+def _step(results: Dict[str, Any], method: str) -> str:
+    return f"{results['methods'][method]['step_s_median']:.3f} s"
+
+
+def _megabytes(results: Dict[str, Any], method: str) -> str:
+    return f"{results['methods'][method]['bytes_sent_per_step'] / 1e6:.3f} MB"
+
+
+def readme_section(results_dir: Path, page: Path) -> List[str]:
+    """ACP-SGD against S-SGD and Power-SGD on each link of :data:`README_RUNS`,
+    and against S-SGD with fp16 gradients where the run has it."""
+    lines = ["| model, link per rank | S-SGD step | ACP-SGD step | ACP-SGD vs S-SGD "
+             "| vs Power-SGD (hvd_acp) | bytes per step per rank |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    fp16 = []
+    for run, title in README_RUNS:
+        results = load(results_dir, run)
+        if results is None:
+            continue
+        lines.append(
+            f"| {title} ({_run_link(results_dir, run, page)}) | {_step(results, 'ssgd')} "
+            f"| {_step(results, 'acp')} | {acp_against(results, 'ssgd')} "
+            f"| {acp_against(results, 'powersgd')} "
+            f"| {_megabytes(results, 'ssgd')} -> {_megabytes(results, 'acp')} |")
+        if report.find_ratio(results, "ssgd-fp16", "acp", "step") is not None:
+            fp16.append(f"{acp_against(results, 'ssgd-fp16')}, on {title} "
+                        f"({_run_link(results_dir, run, page)})")
+    if len(lines) == 2:
+        return ["No runs in bench-results/ yet."]
+    lines += ["", "ACP-SGD against another method: that method's step over ACP-SGD's, the "
+              "median over the rounds of the ratio paired inside each round [its interval]; "
+              "faster or slower only where the interval excludes 1.0."]
+    if fp16:
+        lines += ["", "ACP-SGD against S-SGD with fp16 gradients "
+                  "(`compression=hvd.Compression.fp16`, the benchmark's `ssgd-fp16`), in the "
+                  "same rounds: " + "; ".join(fp16) + "."]
+    return lines
+
+
+def ddp_section(results_dir: Path, page: Path) -> List[str]:
+    """The DDP hook against ``powerSGD_hook`` and against the Horovod front end."""
+    sentences = []
+    for run, title in DDP_RUNS:
+        results = load(results_dir, run)
+        if results is None or "acp-ddp" not in results["methods"]:
+            continue
+        step = report.find_ratio(results, "powersgd-ddp", "acp-ddp", "step")
+        compression = report.find_ratio(results, "acp-ddp", "powersgd-ddp", "compression")
+        bytes_ratio = report.find_ratio(results, "acp-ddp", "powersgd-ddp", "bytes")
+        if step is None or compression is None or bytes_ratio is None:
+            continue
+        word = {"slower": "`acp_hook` faster", "faster": "`acp_hook` slower",
+                "same": "no measurable difference"}[step["verdict"]]
+        sentences.append(
+            f"{title} ({_run_link(results_dir, run, page)}): `acp_hook` "
+            f"{_step(results, 'acp-ddp')} per step against `powerSGD_hook`'s "
+            f"{_step(results, 'powersgd-ddp')}, its step over ours {_ratio_text(step)} "
+            f"({word}), with {bytes_ratio['median']:.3f}x its bytes "
+            f"({_megabytes(results, 'acp-ddp')} per step, as `hvd_acp.DistributedOptimizer`, "
+            f"whose step in the same rounds is {_step(results, 'acp')}) and "
+            f"{_ratio_text(compression)} its measured compression time.")
+    if not sentences:
+        return ["No runs in bench-results/ yet."]
+    lines = []
+    for sentence in sentences:
+        lines += ["", sentence] if lines else [sentence]
+    return lines
+
+
 def replace_marked(text: str, markers: Tuple[str, str], lines: List[str], path: Path) -> str:
     start, end = markers
     if start not in text or end not in text:
@@ -460,9 +558,24 @@ def replace_marked(text: str, markers: Tuple[str, str], lines: List[str], path: 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, default=REPO / "bench-results")
-    parser.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
+    parser.add_argument("--doc", type=Path, default=None,
+                        help="the benchmarks page (default docs/benchmarks.md; given, only "
+                             "the pages named are written)")
+    parser.add_argument("--readme", type=Path, default=None, help="default README.md")
+    parser.add_argument("--ddp-doc", type=Path, default=None, help="default docs/ddp.md")
     parser.add_argument("--img", type=Path, default=REPO / "docs" / "img")
     args = parser.parse_args(argv)
+    if args.doc is None:
+        args.doc = REPO / "docs" / "benchmarks.md"
+        args.readme = args.readme or REPO / "README.md"
+        args.ddp_doc = args.ddp_doc or REPO / "docs" / "ddp.md"
+    for page, markers, section in ((args.readme, README_MARKERS, readme_section),
+                                   (args.ddp_doc, DDP_MARKERS, ddp_section)):
+        if page is not None:
+            text = page.read_text(encoding="utf-8")
+            page.write_text(replace_marked(text, markers, section(args.results, page), page),
+                            encoding="utf-8")
+            print(f"wrote {page}")
     text = args.doc.read_text(encoding="utf-8")
     text = replace_marked(text, RUNS_MARKERS, runs_index(args.results, args.img, args.doc),
                           args.doc)

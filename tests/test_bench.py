@@ -395,9 +395,14 @@ def test_bench_doc_judges_targets_from_the_intervals(tmp_path, bench_doc):
         if line.startswith("| "):
             assert line not in text, f"copied from results.md: {line}"
     assert "| method |" not in text and "| A against B" not in text
-    # README carries no generated part: there is nothing to point bench_doc at.
-    with pytest.raises(SystemExit):
-        bench_doc.main(["--results", str(results), "--doc", str(doc), "--readme", "README.md"])
+    # With --doc given only the pages named are written; a README named gets
+    # its section from the README's runs (none of them here).
+    readme = tmp_path / "README.md"
+    readme.write_text("top\n<!-- bench:readme -->\nold\n<!-- end bench:readme -->\nbottom\n")
+    assert bench_doc.main(["--results", str(results), "--doc", str(doc), "--readme", str(readme),
+                           "--img", str(tmp_path / "img")]) == 0
+    assert readme.read_text() == ("top\n<!-- bench:readme -->\n\nNo runs in bench-results/ yet."
+                                  "\n\n<!-- end bench:readme -->\nbottom\n")
     # "Where the time goes" lists only runs with diagnostics: none here.
     assert "| run | floor (1 process) |" in text and "(`resnet50_100mbit`" not in text
     assert "No runs in bench-results/ yet." in text.split("<!-- baselines -->")[1]

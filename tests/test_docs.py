@@ -1,0 +1,118 @@
+"""Docs that cannot drift from the runs and the code they describe.
+
+- The sections of README.md and docs/ddp.md that scripts/bench_doc.py writes
+  are what it writes from bench-results/ today.
+- Every figure quoted beside a link to a run's file in bench-results/ is in
+  that file; a figure with an interval cites one.
+- docs/algorithm.md's layout table names every module of the package.
+- One advice on the rank everywhere, matching the default.
+"""
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from hvd_acp.settings import RANK_ADVICE, Settings
+
+REPO = Path(__file__).resolve().parent.parent
+PAGES = ("README.md", "docs/ddp.md")
+#: A link to a run's page: ``[run](bench-results/<run>/results.md)``.
+RUN_LINK = re.compile(r"\]\(((?:\.\./)?bench-results/[^)\s]+\.md)\)")
+#: A ratio with its interval: ``3.19x [2.79, 3.28]``.
+RATIO = re.compile(r"\d+\.\d+x \[\d+\.\d+, \d+\.\d+\]")
+#: A decimal figure, not part of a version or a path.
+FIGURE = re.compile(r"(?<![\w.])\d+\.\d+(?!\d|\.\d)")
+
+
+@pytest.fixture(scope="module")
+def bench_doc():
+    spec = importlib.util.spec_from_file_location("bench_doc_pages",
+                                                  REPO / "scripts" / "bench_doc.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module          # dataclasses look it up
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def units(text: str):
+    """Each paragraph, and each table row on its own (a row cites its own run)."""
+    for block in re.split(r"\n\s*\n", text):
+        lines = [line for line in block.splitlines() if line.strip()]
+        if lines and all(line.lstrip().startswith("|") for line in lines):
+            yield from lines
+        else:
+            yield " ".join(lines)
+
+
+def unbacked_figures(page: Path):
+    """(figure, where) for every figure a page quotes that the run it cites lacks."""
+    problems = []
+    for unit in units(page.read_text(encoding="utf-8")):
+        cited = RUN_LINK.findall(unit)
+        if not cited:
+            problems += [(ratio, unit) for ratio in RATIO.findall(unit)]
+            continue
+        sources = "\n".join((page.parent / link).read_text(encoding="utf-8") for link in cited)
+        problems += [(figure, unit) for figure in FIGURE.findall(unit)
+                     if figure not in sources]
+    return problems
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_quoted_figure_is_in_the_run_it_cites(page):
+    assert unbacked_figures(REPO / page) == []
+
+
+def test_a_figure_missing_from_its_run_is_caught(tmp_path):
+    run = tmp_path / "bench-results" / "some_run"
+    run.mkdir(parents=True)
+    (run / "results.md").write_text("| ACP-SGD against S-SGD | 3.19x [2.79, 3.28] | faster |\n")
+    page = tmp_path / "README.md"
+    page.write_text("| net ([run](bench-results/some_run/results.md)) | 3.19x [2.79, 3.28] |\n\n"
+                    "| net ([run](bench-results/some_run/results.md)) | 4.79x [4.54, 4.99] |\n\n"
+                    "ACP-SGD is 6.83x [6.62, 7.08] faster, says no run.\n")
+    found = [figure for figure, _ in unbacked_figures(page)]
+    assert found == ["4.79", "4.54", "4.99", "6.83x [6.62, 7.08]"]
+
+
+@pytest.mark.parametrize("page, markers, section", [
+    ("README.md", "README_MARKERS", "readme_section"),
+    ("docs/ddp.md", "DDP_MARKERS", "ddp_section"),
+])
+def test_generated_sections_are_current(bench_doc, page, markers, section):
+    path = REPO / page
+    text = path.read_text(encoding="utf-8")
+    lines = getattr(bench_doc, section)(REPO / "bench-results", path)
+    assert "No runs in bench-results/ yet." not in lines
+    rendered = bench_doc.replace_marked(text, getattr(bench_doc, markers), lines, path)
+    assert rendered == text, f"{page} is not what scripts/bench_doc.py writes: run it"
+
+
+def test_the_layout_table_names_every_module():
+    table = (REPO / "docs" / "algorithm.md").read_text(encoding="utf-8").split("## Layout", 1)[1]
+    package = REPO / "hvd_acp"
+    modules = [f"hvd_acp/{p.name}" for p in package.glob("*.py") if p.name != "__init__.py"]
+    modules += [f"hvd_acp/{p.name}/" for p in package.iterdir()
+                if p.is_dir() and (p / "__init__.py").exists()]
+    missing = [m for m in sorted(modules) if f"`{m}`" not in table]
+    assert not missing, missing
+
+
+def normalized(path):
+    return " ".join(path.read_text(encoding="utf-8").split())
+
+
+@pytest.mark.parametrize("path", ["README.md", "docs/guide.md", "docs/api.md", "docs/ddp.md"])
+def test_one_rank_advice_everywhere(path):
+    text = normalized(REPO / path)
+    assert RANK_ADVICE in text, path
+    # No other advice on the rank (the paper's settings quoted as advice).
+    assert not re.search(r"\d+ suits CNNs|search 1, 2, 4", text), path
+
+
+def test_the_rank_advice_matches_the_default():
+    assert f"Start from {Settings().resolve().matrix_rank} (the default)" in RANK_ADVICE
+    assert RANK_ADVICE in " ".join(Settings.__doc__.split())
