@@ -33,22 +33,22 @@ OPTIMIZERS = tuple(key for key, method in REGISTRY.items() if method.launcher ==
 
 
 # ----------------------------------------------------------------- arguments
-def add_common_args(parser: argparse.ArgumentParser, *, matrix_rank: int, epochs: int,
+def add_common_args(parser: argparse.ArgumentParser, *, epochs: int,
                     lr: float, batch_size: int) -> None:
     """The flags shared by the Horovod examples, with each script's own defaults."""
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="acp",
                         help="; ".join(f"{key}: {REGISTRY[key].implementation}"
                                        for key in OPTIMIZERS) + " (default: %(default)s)")
-    add_training_args(parser, matrix_rank=matrix_rank, epochs=epochs, lr=lr,
-                      batch_size=batch_size)
+    add_training_args(parser, epochs=epochs, lr=lr, batch_size=batch_size)
 
 
-def add_training_args(parser: argparse.ArgumentParser, *, matrix_rank: int, epochs: int,
+def add_training_args(parser: argparse.ArgumentParser, *, epochs: int,
                       lr: float, batch_size: int) -> None:
     """The flags of every example but the choice of optimizer (or DDP hook)."""
-    parser.add_argument("--matrix-rank", type=matrix_rank_type, default=matrix_rank,
-                        help="rank of the low-rank factors, or 'auto' for a rank per tensor "
-                             "(default: %(default)s)")
+    parser.add_argument("--matrix-rank", type=matrix_rank_type, default=None,
+                        help="rank of the low-rank factors, a share of each matrix's smaller "
+                             "side such as 0.5, or 'auto' for a rank per tensor (default: "
+                             "the library's, which depends on the optimizer)")
     parser.add_argument("--warmup-steps", type=int, default=0,
                         help="steps of exact averaging before compression starts "
                              "(default: %(default)s)")
@@ -77,14 +77,15 @@ def add_training_args(parser: argparse.ArgumentParser, *, matrix_rank: int, epoc
 def add_framework_args(parser: argparse.ArgumentParser, *, out: str) -> None:
     """The flags of the framework examples (Lightning, Accelerate, the Trainer)."""
     parser.add_argument("--no-acp", action="store_true", help="plain DDP averaging")
-    parser.add_argument("--matrix-rank", type=int, default=4)
+    parser.add_argument("--matrix-rank", type=matrix_rank_type, default=None,
+                        help="default: the library's, which depends on the optimizer")
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--lr", type=float, default=0.025, help="per process; scaled by it")
     parser.add_argument("--out", default=out, help="checkpoints (default: %(default)s)")
 
 
 def distributed_optimizer(name: str, optimizer: torch.optim.Optimizer, model: nn.Module, *,
-                          matrix_rank: int, warmup_steps: int, seed: int,
+                          matrix_rank, warmup_steps: int, seed: int,
                           step_ahead: Optional[float] = None, diagnostics: bool = False):
     """Wrap ``optimizer`` for Horovod: the one line a user changes.
 

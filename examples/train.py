@@ -33,7 +33,7 @@ from common import (ByteMeter, DigitsCNN, DigitsResNet, add_common_args, allredu
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_common_args(parser, matrix_rank=4, epochs=12, lr=0.025, batch_size=32)
+    add_common_args(parser, epochs=12, lr=0.025, batch_size=32)
     parser.add_argument("--arch", choices=("cnn", "resnet"), default="cnn",
                         help="cnn: two convolutions and two linear layers; resnet: a small "
                              "BatchNorm ResNet (default: %(default)s)")

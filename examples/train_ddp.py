@@ -46,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--hook", choices=HOOKS, default="acp",
                         help="allreduce: DDP's default averaging; powersgd: torch's "
                              "powerSGD_hook; acp: hvd_acp.ddp.acp_hook")
-    add_training_args(parser, matrix_rank=4, epochs=12, lr=0.025, batch_size=32)
+    add_training_args(parser, epochs=12, lr=0.025, batch_size=32)
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     parser.add_argument("--weight-decay", type=float, default=1e-4, help="SGD weight decay")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -79,7 +79,7 @@ class PowerSGDCounter:
 
 
 def register_hook(name: str, model: DDP, optimizer: torch.optim.Optimizer, *,
-                  matrix_rank: int, warmup_steps: int, seed: int,
+                  matrix_rank, warmup_steps: int, seed: int,
                   step_ahead: Optional[float] = None):
     """The swap: register ``name``'s communication hook on ``model``.
 
@@ -96,7 +96,10 @@ def register_hook(name: str, model: DDP, optimizer: torch.optim.Optimizer, *,
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
         # torch needs at least 2 plain iterations before compressing (its
         # state is keyed by bucket, and DDP rebuilds buckets after the first).
-        state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=matrix_rank,
+        # torch's hook takes one int rank: the library's default for this optimizer.
+        from hvd_acp import Settings
+        rank = Settings(matrix_rank=matrix_rank).resolve(optimizer).matrix_rank
+        state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
                                    start_powerSGD_iter=max(2, warmup_steps), random_seed=seed)
         model.register_comm_hook(state, psgd.powerSGD_hook)
         return PowerSGDCounter(state, model.module)

@@ -44,7 +44,7 @@ VALIDATION_BUCKET = 10   # one file in ten (by path hash) is validation
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_common_args(parser, matrix_rank=32, epochs=10, lr=4e-3, batch_size=16)
+    add_common_args(parser, epochs=10, lr=4e-3, batch_size=16)
     parser.add_argument("--steps-per-epoch", type=int, default=100,
                         help="optimizer steps between two validations")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per training window")

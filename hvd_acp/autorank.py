@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -120,9 +120,10 @@ class AutoRank:
                    sum(m * min(self.max_rank, n, m) for n, m in shapes))
 
 
-def parse_matrix_rank(matrix_rank) -> Tuple[int, Optional[AutoRank]]:
-    """``(fixed rank, None)`` for an int, ``(max_rank, AutoRank)`` for ``"auto"``
-    or an :class:`AutoRank`; ``ValueError`` for anything else."""
+def parse_matrix_rank(matrix_rank) -> Tuple[Union[int, float], Optional[AutoRank]]:
+    """``(fixed rank, None)`` for an int, ``(share, None)`` for a float in
+    (0, 1) (a share of each matrix's smaller side), ``(max_rank, AutoRank)``
+    for ``"auto"`` or an :class:`AutoRank`; ``ValueError`` for anything else."""
     if isinstance(matrix_rank, AutoRank):
         return matrix_rank.max_rank, matrix_rank
     if isinstance(matrix_rank, str) and matrix_rank == "auto":
@@ -131,8 +132,11 @@ def parse_matrix_rank(matrix_rank) -> Tuple[int, Optional[AutoRank]]:
     if isinstance(matrix_rank, numbers.Integral) and not isinstance(matrix_rank, bool) \
             and matrix_rank >= 1:
         return int(matrix_rank), None
-    raise ValueError(f"matrix_rank must be a positive int, got {matrix_rank!r}; or 'auto' "
-                     "(or an hvd_acp.AutoRank) for a rank per tensor")
+    if isinstance(matrix_rank, float) and 0.0 < matrix_rank < 1.0:
+        return matrix_rank, None
+    raise ValueError(f"matrix_rank must be a positive int, got {matrix_rank!r}; or a float in "
+                     "(0, 1), a share of each matrix's smaller side; or 'auto' (or an "
+                     "hvd_acp.AutoRank) for a rank per tensor")
 
 
 def _range_finder(matrix: Tensor, k: int, seed: int) -> Tensor:

@@ -163,8 +163,8 @@ class HorovodCommunicator(Communicator):
             ``op=hvd.Average`` the sum is scaled by ``1/f`` before and
             ``f/size`` after the reduction.
         process_set: the Horovod process set to reduce over.
-        compression: a ``hvd.Compression`` class applied to each fused
-            buffer on the wire (``hvd.Compression.fp16`` sends fp16).
+        fp16_wire: each fused buffer travels in float16
+            (``hvd.Compression.fp16``), otherwise as it is.
     """
 
     @staticmethod
@@ -185,15 +185,25 @@ class HorovodCommunicator(Communicator):
             raise NotImplementedError(f"compression={compression!r} is not supported; use "
                                       "hvd.Compression.none or hvd.Compression.fp16")
 
+    @staticmethod
+    def fp16_wire_of(compression):
+        """Horovod's ``compression`` argument as :class:`hvd_acp.Settings`'s
+        ``fp16_wire``: True for ``hvd.Compression.fp16``, False for
+        ``hvd.Compression.none``, None (the default) for None."""
+        if compression is None:
+            return None
+        import horovod.torch as hvd
+        return compression is hvd.Compression.fp16
+
     def __init__(self, op=None, gradient_predivide_factor: float = 1.0,
-                 process_set=None, compression=None) -> None:
+                 process_set=None, fp16_wire: bool = False) -> None:
         super().__init__()
         import horovod.torch as hvd
 
         self._hvd = hvd
         self.op = hvd.Average if op is None else op
         self.process_set = hvd.global_process_set if process_set is None else process_set
-        self.compression = hvd.Compression.none if compression is None else compression
+        self.compression = hvd.Compression.fp16 if fp16_wire else hvd.Compression.none
         if self.op == hvd.Average:
             self.prescale = 1.0 / gradient_predivide_factor
             self.postscale = gradient_predivide_factor

@@ -25,7 +25,8 @@ is then exactly S-SGD.
 from __future__ import annotations
 
 import enum
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+import math
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -89,8 +90,11 @@ def matrix_shape(shape: Sequence[int]) -> Tuple[int, int]:
     return n, (numel // n if n else 0)
 
 
-def factor_rank(n: int, m: int, matrix_rank: int) -> int:
-    """The rank r of the factors: ``min(matrix_rank, n, m)``."""
+def factor_rank(n: int, m: int, matrix_rank: Union[int, float]) -> int:
+    """The rank r of the factors: ``min(matrix_rank, n, m)``; a float
+    ``matrix_rank`` in (0, 1) is a share of ``min(n, m)``, rounded up."""
+    if isinstance(matrix_rank, float):
+        return math.ceil(matrix_rank * min(n, m))
     return max(0, min(matrix_rank, n, m))
 
 

@@ -89,10 +89,12 @@ class ACPState:
                  warmup_steps: Optional[int] = None, seed: Optional[int] = None,
                  named_parameters: Optional[Iterable[Tuple[str, Tensor]]] = None,
                  optimizer: Optional[torch.optim.Optimizer] = None,
-                 step_ahead: Optional[float] = None) -> None:
+                 step_ahead: Optional[float] = None,
+                 fp16_wire: Optional[bool] = None) -> None:
         self.settings = Settings(matrix_rank=matrix_rank,
                                  min_compression_rate=min_compression_rate,
-                                 warmup_steps=warmup_steps, seed=seed, step_ahead=step_ahead)
+                                 warmup_steps=warmup_steps, seed=seed, step_ahead=step_ahead,
+                                 fp16_wire=fp16_wire)
         self.process_group = process_group
         self._buckets = BucketReducer(process_group)
         self.optimizer: Optional[torch.optim.Optimizer] = None
@@ -266,6 +268,7 @@ class ACPState:
         step_count, factor_sum = self.compression.fingerprint()
         self._buckets.agree(device, dict(
             self.compression.settings(), step_ahead=self.settings.step_ahead,
+            fp16_wire=self.settings.fp16_wire,
             step_count=step_count, factor_sum=factor_sum, has_optimizer=self.optimizer is not None))
         if self.settings.step_ahead and self.optimizer is None:
             raise RuntimeError(
@@ -284,7 +287,8 @@ class ACPState:
         if bucket.is_last():
             self.compression.check_loaded()
             self._complete = True
-        return self._buckets.reduce(bucket, self.compression, names)
+        return self._buckets.reduce(bucket, self.compression, names,
+                                    fp16_wire=self.settings.fp16_wire)
 
 
 def acp_hook(state: ACPState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

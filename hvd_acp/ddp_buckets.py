@@ -9,7 +9,7 @@ names, settings or optimizers: :class:`hvd_acp.ddp.ACPState` does.
 """
 import threading
 import time
-from typing import List
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,8 @@ class BucketReducer:
         #: all-reduce is done before its hook runs again (DDP waits for every
         #: bucket at the end of backward).
         self._buffers = BufferCache()
+        #: The float16 copies of the payloads that travel in fp16, by plan.
+        self._fp16: Dict[tuple, Tensor] = {}
 
     def agree(self, device: torch.device, facts: dict) -> None:
         """Raise the same ``ValueError`` on every rank unless ``facts`` (settings
@@ -69,17 +71,18 @@ class BucketReducer:
         self._iteration_open = True
 
     def reduce(self, bucket: dist.GradBucket, state: CompressionState,
-               names: List[str]) -> torch.futures.Future:
+               names: List[str], fp16_wire: bool = False) -> torch.futures.Future:
         """Send ``bucket`` (its parameters named ``names``); the last bucket
-        of an iteration moves ``state`` to the next step."""
+        of an iteration moves ``state`` to the next step. With ``fp16_wire``
+        the payload travels as float16 (a copy, averaged back into it)."""
         buffer, grads, last = bucket.buffer(), bucket.gradients(), bucket.is_last()
         phase, iteration, probing = state.phase, state.step_count, state.probing
 
         started = time.perf_counter()
+        key = (bucket.index(), phase, tuple(names), state.layout_version, str(buffer.device))
         plan = self._buffers.get(
-            (bucket.index(), phase, tuple(names), state.layout_version, str(buffer.device)),
-            lambda: [one_bucket([state.layouts[n] for n in names], phase,
-                                f"bucket.{bucket.index()}")], buffer.device)
+            key, lambda: [one_bucket([state.layouts[n] for n in names], phase,
+                                     f"bucket.{bucket.index()}")], buffer.device)
         members = plan.members[0]
         compressed = [n for n in names if n in state.tensors] if phase is not Phase.DENSE else []
         bases = state.orthonormal_bases(phase, compressed)
@@ -92,10 +95,18 @@ class BucketReducer:
         self._spent(time.perf_counter() - started)
 
         payload = plan.buffers[0]
+        sent = payload
+        if fp16_wire and payload.dtype != torch.float16:
+            sent = self._fp16.get(key)
+            if sent is None or sent.numel() != payload.numel():
+                if len(self._fp16) >= self._buffers.limit:
+                    self._fp16.clear()
+                sent = self._fp16[key] = torch.empty_like(payload, dtype=torch.float16)
+            sent.copy_(payload)
         with self._lock:
             self.comm_stats.allreduces += 1
-            self.comm_stats.bytes_sent += payload.numel() * payload.element_size()
-        future = dist.all_reduce(payload, group=self.process_group, async_op=True).get_future()
+            self.comm_stats.bytes_sent += sent.numel() * sent.element_size()
+        future = dist.all_reduce(sent, group=self.process_group, async_op=True).get_future()
         if owed is not None:
             # Before the callback is attached, which may then touch E.
             started = time.perf_counter()
@@ -108,7 +119,9 @@ class BucketReducer:
 
         def finish(fut: torch.futures.Future) -> Tensor:
             started = time.perf_counter()
-            averaged = fut.value()[0].div_(world_size)
+            averaged = fut.value()[0]
+            averaged = (averaged if averaged is payload
+                        else payload.copy_(averaged)).div_(world_size)
             state.decode_(phase, averaged, members, grads, bases, step=iteration)
             if probing and last:
                 state.end_probe(iteration)

@@ -212,8 +212,11 @@ def _powersgd_ddp(batched: bool):
         from .settings import Settings
         # torch's hook takes one rank for every tensor: under "auto" it runs at
         # max_rank, the most bytes hvd_acp's auto rank ever sends.
-        rank, _ = parse_matrix_rank(Settings(matrix_rank=matrix_rank).resolve(optimizer)
-                                    .matrix_rank)
+        rank, _ = parse_matrix_rank(Settings(matrix_rank=matrix_rank).resolve(
+            optimizer, factors_per_step=2).matrix_rank)
+        if not isinstance(rank, int):
+            raise ValueError(f"torch's powerSGD_hook takes one rank for every tensor, not a "
+                             f"share of each matrix (matrix_rank={rank!r}): pass an int")
         wrapped = _ddp(model, ddp_options)
         settings = dict(process_group=None, matrix_approximation_rank=rank,
                         start_powerSGD_iter=2 if warmup_steps is None else warmup_steps,

@@ -101,6 +101,8 @@ class DistributedOptimizer(LocalStep):
 
     reducer_class = ACPReducer
     name_prefix = "hvd_acp"
+    #: Factors on the wire per step (one: P or Q), for the default rank.
+    factors_per_step = 1
 
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
@@ -119,19 +121,21 @@ class DistributedOptimizer(LocalStep):
                           gradient_predivide_factor, num_groups, groups, sparse_as_dense, overlap)
         error, settings, named, fusion_groups = None, None, [], None
         try:
-            settings = Settings(matrix_rank=matrix_rank, min_compression_rate=min_compression_rate,
-                                warmup_steps=warmup_steps, seed=seed,
-                                step_ahead=step_ahead).resolve(optimizer)
-            args.check()
             if communicator is None:
                 HorovodCommunicator.check_arguments(op, gradient_predivide_factor, compression)
+            settings = Settings(
+                matrix_rank=matrix_rank, min_compression_rate=min_compression_rate,
+                warmup_steps=warmup_steps, seed=seed, step_ahead=step_ahead,
+                fp16_wire=HorovodCommunicator.fp16_wire_of(compression),
+            ).resolve(optimizer, factors_per_step=self.factors_per_step)
+            args.check()
             named = _named_parameters(optimizer, named_parameters)
             fusion_groups = args.fusion_groups(named)
         except (ValueError, TypeError, NotImplementedError) as exc:
             error = exc
         if communicator is None:
             communicator = HorovodCommunicator(op, gradient_predivide_factor, process_set,
-                                               compression)
+                                               fp16_wire=bool(settings and settings.fp16_wire))
         self._comm = communicator
         # Elastic jobs skip the collectives: a worker that joins later builds
         # its optimizer while the others are inside Horovod's state sync, and

@@ -98,3 +98,6 @@ class PowerSGDOptimizer(DistributedOptimizer):
 
     reducer_class = PowerSGDReducer
     name_prefix = "hvd_acp.powersgd"
+    #: Both factors travel every step: a default share of each matrix half
+    #: ACP-SGD's sends what ACP-SGD sends (:meth:`hvd_acp.Settings.resolve`).
+    factors_per_step = 2

@@ -2,14 +2,18 @@
 
 ``hvd_acp.DistributedOptimizer``, ``hvd_acp.PowerSGDOptimizer``, the DDP
 hook's :class:`~hvd_acp.ddp.ACPState`, the Lightning, Accelerate and
-Transformers integrations and the benchmark's methods all take these five
+Transformers integrations and the benchmark's methods all take these
 settings by name, with ``None`` for "the library's default", and hand them to
 :class:`Settings`. :meth:`Settings.resolve` is the one place a default is
-decided, given the torch optimizer being trained.
+decided, given the torch optimizer being trained: SGD-like optimizers (CNNs)
+and adaptive ones (Adam and its family: transformers) get different
+compression, for the reasons measured in docs/convergence.md.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
+import numbers
 from typing import Optional, Union
 
 import torch
@@ -18,41 +22,89 @@ from .autorank import AutoRank
 from .state import check_compression_settings
 from .stepahead import check_step_ahead
 
-__all__ = ["Settings", "RANK_ADVICE"]
+__all__ = ["Settings", "RANK_ADVICE", "optimizer_family"]
+
+logger = logging.getLogger(__name__)
 
 #: How to choose ``matrix_rank``: the one wording README, docs and
 #: docstrings use (a test holds them to it).
-RANK_ADVICE = ("Start from 4 (the default) for CNNs trained with SGD, and 32 or more for "
-               "transformers trained with Adam; raise the rank as long as the accuracy "
-               "does not hold.")
+RANK_ADVICE = ("Leave it to the default: rank 4 for SGD-like optimizers (CNNs), and for "
+               "Adam-family optimizers (transformers) half of each matrix's smaller side "
+               "with the factors in fp16 on the wire; a lower rank sends less and costs "
+               "accuracy.")
+
+#: The defaults by optimizer family (:func:`optimizer_family`). An adaptive
+#: optimizer divides each coordinate by its own RMS, so it applies every
+#: delayed or missing component of the gradient at full strength: it needs
+#: a large share of each matrix (docs/convergence.md, "Adam").
+DEFAULTS = {
+    "sgd": {"matrix_rank": 4, "min_compression_rate": 2.0, "fp16_wire": False},
+    "adaptive": {"matrix_rank": 0.5, "min_compression_rate": 1.0, "fp16_wire": True},
+}
+COMMON_DEFAULTS = {"warmup_steps": 0, "seed": 0, "step_ahead": 0.2}
+
+#: torch optimizers that scale each coordinate by a running statistic of its
+#: own gradients (besides any optimizer with ``betas``, as Adam's family has).
+_ADAPTIVE = tuple(getattr(torch.optim, name) for name in
+                  ("Adagrad", "Adadelta", "RMSprop", "Adafactor") if hasattr(torch.optim, name))
+
+
+def optimizer_family(optimizer: Optional[torch.optim.Optimizer]) -> Optional[str]:
+    """``"sgd"``, ``"adaptive"``, or None without an optimizer.
+
+    ``"sgd"``: ``torch.optim.SGD`` and any optimizer whose parameter groups
+    have ``momentum`` and no per-coordinate statistics. ``"adaptive"``:
+    Adam, AdamW, NAdam, RAdam, Adamax, Adafactor, Adagrad, RMSprop and any
+    optimizer with ``betas`` (Lion, LAMB, 8-bit Adams); an optimizer of
+    neither kind is taken as adaptive, whose defaults cost bytes, not accuracy.
+    """
+    if optimizer is None:
+        return None
+    if isinstance(optimizer, torch.optim.SGD):
+        return "sgd"
+    keys = {key for group in optimizer.param_groups for key in group}
+    if isinstance(optimizer, _ADAPTIVE) or keys & {"betas", "beta2_decay", "alpha", "rho"}:
+        return "adaptive"
+    return "sgd" if "momentum" in keys else "adaptive"
 
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
     r"""The settings of ACP-SGD that every rank must share, and a tuning guide.
 
-    Each one left ``None`` takes the library's default (:meth:`resolve`).
-    Bad values raise ``ValueError``/``TypeError`` naming the setting, when
-    the object is made.
+    Each one left ``None`` takes the library's default (:meth:`resolve`),
+    which depends on the optimizer being trained (:func:`optimizer_family`):
+    SGD-like optimizers and adaptive ones (Adam's family) get different
+    compression. Bad values raise ``ValueError``/``TypeError`` naming the
+    setting, when the object is made.
 
-    1. ``matrix_rank`` (default 4): the compression, r. Each gradient of
-       shape ``(n, ...)`` is viewed as an ``n x m`` matrix and sends ``n r``
-       (P steps) or ``m r`` (Q steps) elements instead of ``n m``. Higher is
-       more accurate and sends more. Start from 4 (the default) for CNNs
-       trained with SGD, and 32 or more for transformers trained with Adam;
-       raise the rank as long as the accuracy does not hold. ``"auto"`` (or
-       an :class:`~hvd_acp.AutoRank`) chooses a rank per tensor from the
+    1. ``matrix_rank`` (default 4 for SGD, 0.5 for adaptive optimizers): the
+       compression, r. Each gradient of shape ``(n, ...)`` is viewed as an
+       ``n x m`` matrix and sends ``n r`` (P steps) or ``m r`` (Q steps)
+       elements instead of ``n m``. An int is one rank for every matrix; a
+       float in (0, 1) is a share of each matrix's smaller side, rounded up
+       (0.5: rank 64 for a 128 x 512 matrix). Higher is more accurate and
+       sends more. Leave it to the default: rank 4 for SGD-like optimizers
+       (CNNs), and for Adam-family optimizers (transformers) half of each
+       matrix's smaller side with the factors in fp16 on the wire; a lower
+       rank sends less and costs accuracy. ``"auto"`` (or an
+       :class:`~hvd_acp.AutoRank`) chooses a rank per tensor from the
        averaged gradients at probe steps (docs/guide.md, "Choosing the rank").
-    2. ``warmup_steps`` (default 0): steps of exact averaging (every gradient
+    2. ``fp16_wire`` (default False for SGD, True for adaptive optimizers):
+       the fused buffers travel in float16, half the bytes of float32. The
+       residual keeps full precision. In ``hvd_acp.DistributedOptimizer``
+       Horovod's own argument says it: ``compression=hvd.Compression.fp16``
+       (or ``.none``), ``None`` for the default.
+    3. ``warmup_steps`` (default 0): steps of exact averaging (every gradient
        sent whole) before compression starts. The first steps are the most
        sensitive to compression error; 0 is fine for most CNNs, transformers
        gain from a few hundred.
-    3. ``min_compression_rate`` (default 2.0): a matrix is compressed only if
-       its two factors are at least this many times smaller than the matrix,
-       ``(n + m) r * rate <= n m``; other tensors, and every 1-D tensor
-       (biases, norms), are averaged exactly in the same all-reduce. 0
-       compresses every matrix.
-    4. ``step_ahead`` (default 0.2): step-ahead error feedback. Each rank
+    4. ``min_compression_rate`` (default 2.0 for SGD, 1.0 for adaptive
+       optimizers): a matrix is compressed only if its two factors are at
+       least this many times smaller than the matrix, ``(n + m) r * rate <=
+       n m``; other tensors, and every 1-D tensor (biases, norms), are
+       averaged exactly in the same all-reduce. 0 compresses every matrix.
+    5. ``step_ahead`` (default 0.2): step-ahead error feedback. Each rank
        computes its next gradient at ``w - step_ahead * lr / (1 - momentum)
        * E_i`` (Adam-family: ``w - step_ahead * lr * E_i / (sqrt(v_hat) +
        eps)``), where the residual it still owes will take the weights. That
@@ -61,36 +113,55 @@ class Settings:
        otherwise feeds back late and momentum amplifies it
        (docs/convergence.md). It sends nothing more. 0 runs the published
        method.
-    5. ``seed`` (default 0): seed of the dedicated generator that draws the
+    6. ``seed`` (default 0): seed of the dedicated generator that draws the
        initial factors: identical on every rank, the global RNG untouched.
     """
 
-    matrix_rank: Union[int, str, AutoRank, None] = None
+    matrix_rank: Union[int, float, str, AutoRank, None] = None
     min_compression_rate: Optional[float] = None
     warmup_steps: Optional[int] = None
     seed: Optional[int] = None
     step_ahead: Optional[float] = None
+    fp16_wire: Optional[bool] = None
 
     def __post_init__(self) -> None:
         given = self.resolve()          # the defaults pass; a bad given value raises
         check_compression_settings(given.matrix_rank, given.min_compression_rate,
                                    given.warmup_steps, given.seed)
         check_step_ahead(given.step_ahead)
+        if not isinstance(given.fp16_wire, bool):
+            raise TypeError(f"fp16_wire must be True, False or None, got {self.fp16_wire!r}")
 
-    def resolve(self, optimizer: Optional[torch.optim.Optimizer] = None) -> "Settings":
+    def resolve(self, optimizer: Optional[torch.optim.Optimizer] = None, *,
+                factors_per_step: int = 1) -> "Settings":
         """These settings with every one left ``None`` given its default.
 
-        The one place hvd_acp decides a default. ``optimizer`` is the torch
-        optimizer the settings train (None where a front end has none); the
-        defaults do not depend on it yet.
+        The one place hvd_acp decides a default: by the family of
+        ``optimizer``, the torch optimizer the settings train
+        (:func:`optimizer_family`; None where a front end has none: the
+        SGD defaults). ``factors_per_step`` is 2 for Power-SGD, which sends
+        both factors every step: its default share of an adaptive
+        optimizer's matrices is halved, so that it sends what ACP-SGD sends.
+        A default decided for a given optimizer is logged at INFO.
         """
-        defaults = {"matrix_rank": 4, "min_compression_rate": 2.0, "warmup_steps": 0,
-                    "seed": 0, "step_ahead": 0.2}
+        family = optimizer_family(optimizer)
+        defaults = dict(DEFAULTS[family or "sgd"], **COMMON_DEFAULTS)
+        if family == "adaptive":
+            defaults["matrix_rank"] /= factors_per_step
         missing = {key: value for key, value in defaults.items() if getattr(self, key) is None}
-        return dataclasses.replace(self, **missing) if missing else self
+        if not missing:
+            return self
+        resolved = dataclasses.replace(self, **missing)
+        if optimizer is not None:
+            logger.info("hvd_acp: %s is %s: %s", type(optimizer).__name__,
+                        "an adaptive optimizer" if family == "adaptive" else "SGD-like",
+                        ", ".join(f"{key}={value!r} (default)" if key in missing
+                                  else f"{key}={value!r}"
+                                  for key, value in resolved.as_kwargs().items()))
+        return resolved
 
     def as_kwargs(self) -> dict:
-        """The five settings by name, as every front end takes them."""
+        """The settings by name, as every front end takes them."""
         return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
 
     def compression_kwargs(self) -> dict:

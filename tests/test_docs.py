@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from hvd_acp.settings import RANK_ADVICE, Settings
 
@@ -113,6 +114,11 @@ def test_one_rank_advice_everywhere(path):
     assert not re.search(r"\d+ suits CNNs|search 1, 2, 4", text), path
 
 
-def test_the_rank_advice_matches_the_default():
-    assert f"Start from {Settings().resolve().matrix_rank} (the default)" in RANK_ADVICE
+def test_the_rank_advice_matches_the_defaults():
+    weight = torch.zeros(2, 2, requires_grad=True)
+    sgd = Settings().resolve(torch.optim.SGD([weight], lr=0.1, momentum=0.9))
+    adam = Settings().resolve(torch.optim.AdamW([weight], lr=1e-3))
+    assert f"rank {sgd.matrix_rank} for SGD-like optimizers" in RANK_ADVICE
+    assert adam.matrix_rank == 0.5 and "half of each matrix's smaller side" in RANK_ADVICE
+    assert adam.fp16_wire and not sgd.fp16_wire and "fp16 on the wire" in RANK_ADVICE
     assert RANK_ADVICE in " ".join(Settings.__doc__.split())

@@ -8,24 +8,71 @@ import torch
 import hvd_acp
 import hvd_acp.ddp
 from hvd_acp.methods import Method
-from hvd_acp.settings import Settings
+from hvd_acp.settings import Settings, optimizer_family
 
-FIELDS = ("matrix_rank", "min_compression_rate", "warmup_steps", "seed", "step_ahead")
+FIELDS = ("matrix_rank", "min_compression_rate", "warmup_steps", "seed", "step_ahead",
+          "fp16_wire")
 
 
 def sgd():
     return torch.optim.SGD(torch.nn.Linear(4, 4).parameters(), lr=0.1, momentum=0.9)
 
 
-def test_the_defaults_are_todays():
+def adamw():
+    return torch.optim.AdamW(torch.nn.Linear(4, 4).parameters(), lr=1e-3)
+
+
+def test_the_defaults_depend_on_the_optimizer_family():
     resolved = Settings().resolve(sgd())
     assert resolved == Settings(matrix_rank=4, min_compression_rate=2.0, warmup_steps=0,
-                                seed=0, step_ahead=0.2)
-    adam = torch.optim.Adam(torch.nn.Linear(4, 4).parameters())
-    assert Settings().resolve(adam) == resolved == Settings().resolve()
-    given = Settings(matrix_rank="auto", step_ahead=0)
-    assert given.resolve(sgd()).matrix_rank == "auto" and given.resolve().step_ahead == 0
+                                seed=0, step_ahead=0.2, fp16_wire=False)
+    assert Settings().resolve() == resolved           # no optimizer: the SGD defaults
+    adaptive = Settings(matrix_rank=0.5, min_compression_rate=1.0, warmup_steps=0, seed=0,
+                        step_ahead=0.2, fp16_wire=True)
+    for optimizer in (adamw(), torch.optim.Adam([torch.zeros(2, 2, requires_grad=True)]),
+                      torch.optim.RMSprop([torch.zeros(2, 2, requires_grad=True)]),
+                      torch.optim.Adagrad([torch.zeros(2, 2, requires_grad=True)])):
+        assert Settings().resolve(optimizer) == adaptive, type(optimizer).__name__
+    # Power-SGD sends both factors: half the share, the same bytes.
+    assert Settings().resolve(adamw(), factors_per_step=2).matrix_rank == 0.25
+    assert Settings().resolve(sgd(), factors_per_step=2).matrix_rank == 4
+    given = Settings(matrix_rank="auto", step_ahead=0, fp16_wire=False)
+    assert given.resolve(adamw()).matrix_rank == "auto" and given.resolve().step_ahead == 0
+    assert given.resolve(adamw()).fp16_wire is False
     assert resolved.resolve() is resolved
+
+
+def test_the_family_of_an_optimizer():
+    weight = [torch.zeros(2, 2, requires_grad=True)]
+
+    class Lion(torch.optim.Optimizer):            # betas, no second moment
+        def __init__(self, params):
+            super().__init__(params, {"lr": 1e-4, "betas": (0.9, 0.99)})
+
+    class Heavy(torch.optim.Optimizer):           # momentum only: SGD-like
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1, "momentum": 0.9})
+
+    assert optimizer_family(None) is None
+    assert optimizer_family(torch.optim.SGD(weight, lr=0.1)) == "sgd"
+    assert optimizer_family(Heavy(weight)) == "sgd"
+    assert optimizer_family(Lion(weight)) == "adaptive"
+    assert optimizer_family(torch.optim.NAdam(weight)) == "adaptive"
+
+
+def test_a_default_chosen_for_an_optimizer_is_logged(caplog):
+    with caplog.at_level("INFO", logger="hvd_acp.settings"):
+        Settings(matrix_rank=8).resolve(adamw())
+    line, = [r.getMessage() for r in caplog.records]
+    assert "AdamW is an adaptive optimizer" in line
+    assert "matrix_rank=8," in line and "fp16_wire=True (default)" in line
+
+
+def test_matrix_rank_as_a_share_of_the_smaller_side():
+    from hvd_acp.compression import factor_rank
+    assert factor_rank(128, 512, 0.5) == 64 and factor_rank(512, 128, 0.5) == 64
+    assert factor_rank(7, 9, 0.5) == 4 and factor_rank(1, 100, 0.5) == 1
+    assert factor_rank(10, 3, 4) == 3
 
 
 @pytest.mark.parametrize("field, value, kind, match", [
@@ -42,8 +89,14 @@ def test_a_bad_setting_raises_when_given(field, value, kind, match):
 
 def test_the_docstring_states_each_default():
     doc = " ".join(Settings.__doc__.split())
-    for field, value in Settings().resolve().as_kwargs().items():
-        assert f"``{field}`` (default {value})" in doc, field
+    sgd_defaults = Settings().resolve(sgd()).as_kwargs()
+    adaptive = Settings().resolve(adamw()).as_kwargs()
+    for field, value in sgd_defaults.items():
+        if adaptive[field] == value:
+            assert f"``{field}`` (default {value})" in doc, field
+        else:
+            assert (f"``{field}`` (default {value} for SGD, {adaptive[field]} for adaptive "
+                    "optimizers)") in doc, field
 
 
 def signatures():
@@ -61,6 +114,9 @@ def test_every_front_end_takes_none_for_the_default():
     for target in signatures():
         parameters = inspect.signature(target).parameters
         for field in FIELDS:
+            if field == "fp16_wire" and target in (hvd_acp.DistributedOptimizer,
+                                                   hvd_acp.PowerSGDOptimizer):
+                field = "compression"       # Horovod's own argument says it there
             assert parameters[field].default is None, (target, field)
     assert inspect.signature(Method.build).parameters["matrix_rank"].default is None
 
@@ -75,3 +131,21 @@ def test_the_front_ends_resolve_none_to_the_defaults():
     state = hvd_acp.ddp.ACPState(named_parameters=model.named_parameters(), step_ahead=None)
     assert state.compression.layouts["weight"].r == 4 and state.step_ahead == 0.2
     assert state.settings == Settings().resolve()       # decided when first used
+
+
+def test_the_front_ends_resolve_none_by_the_optimizer():
+    model = torch.nn.Linear(64, 32)                   # weight (32, 64): rank 16 at a share 0.5
+    opt = hvd_acp.DistributedOptimizer(torch.optim.AdamW(model.parameters()),
+                                       named_parameters=model.named_parameters(),
+                                       communicator=hvd_acp.LocalCommunicator())
+    assert opt.reducer.layouts["weight"].r == 16
+    opt.close()
+    powersgd = hvd_acp.PowerSGDOptimizer(torch.optim.AdamW(model.parameters()),
+                                         named_parameters=model.named_parameters(),
+                                         communicator=hvd_acp.LocalCommunicator())
+    assert powersgd.reducer.layouts["weight"].r == 8
+    powersgd.close()
+    state = hvd_acp.ddp.ACPState(named_parameters=model.named_parameters(),
+                                 optimizer=torch.optim.AdamW(model.parameters()))
+    assert state.compression.layouts["weight"].r == 16 and state.settings.fp16_wire
+    state.close()

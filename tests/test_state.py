@@ -198,6 +198,8 @@ def test_entries_of_parameters_not_added_yet_wait_for_them():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"matrix_rank": 0}, "matrix_rank must be a positive int, got 0"),
+    ({"matrix_rank": 1.5}, r"positive int, got 1.5; or a float in \(0, 1\)"),
+    ({"matrix_rank": 0.0}, "matrix_rank must be a positive int, got 0.0"),
     ({"min_compression_rate": -1}, "min_compression_rate must be a number >= 0"),
     ({"warmup_steps": 1.5}, "warmup_steps must be an int >= 0, got 1.5"),
 ])

@@ -91,12 +91,20 @@ positive_int = number_type(int, lambda v: v >= 1, "a positive int")
 
 
 def matrix_rank_type(text: str):
-    """An argparse ``type=`` for ``--matrix-rank``: a positive int, or ``auto``
-    (a rank per tensor, see :mod:`hvd_acp.autorank`)."""
+    """An argparse ``type=`` for ``--matrix-rank``: a positive int, a share of
+    each matrix's smaller side in (0, 1) such as ``0.5``, or ``auto`` (a rank
+    per tensor, see :mod:`hvd_acp.autorank`)."""
     if text == "auto":
         return text
     try:
         return positive_int(text)
     except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"must be a positive int or 'auto', got {text!r}") \
-            from None
+        pass
+    try:
+        share = float(text)
+    except ValueError:
+        share = None
+    if share is not None and 0.0 < share < 1.0:
+        return share
+    raise argparse.ArgumentTypeError(
+        f"must be a positive int, a share in (0, 1) or 'auto', got {text!r}")
