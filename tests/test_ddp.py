@@ -17,7 +17,8 @@ from hvd_acp.compression import Phase
 from tests.hvdrun import run_with_timeout, torchrun
 
 TWO_RANK_CASES = ["replicas", "full_rank", "error_feedback", "no_sync", "unused", "dtypes",
-                  "nonfinite", "step_ahead", "step_ahead_closure", "checkpoint", "errors"]
+                  "nonfinite", "step_ahead", "step_ahead_closure", "checkpoint", "errors",
+                  "fp16_wire"]
 
 NO_HOROVOD = textwrap.dedent("""
     import importlib.abc, sys

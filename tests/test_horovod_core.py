@@ -103,3 +103,10 @@ def test_settings_that_differ_between_ranks_raise_on_every_rank(two_ranks):
 
 def test_training_works_after_construction_errors(two_ranks):
     assert_reported(two_ranks, "PASS recovered", 2)
+
+
+@pytest.mark.parametrize("launch, world", [("two_ranks", 2), ("four_ranks", 4)])
+def test_adam_defaults_send_half_of_each_matrix_in_fp16(launch, world, request):
+    # AdamW, no ACP setting: ranks ceil(min(n, m) / 2), 2 bytes per element
+    # sent, fp32 when compression=hvd.Compression.none; replicas identical.
+    assert_reported(request.getfixturevalue(launch), "PASS adaptive_defaults", world)

@@ -338,6 +338,31 @@ def check_broadcast(steps=4):
     report("broadcast")
 
 
+def check_adaptive_defaults(steps=6):
+    """AdamW with no ACP setting given: a share 0.5 of each matrix's smaller
+    side, factors in fp16 on the wire (2 bytes per element sent), replicas
+    bit-identical; Horovod's own compression=hvd.Compression.none sends fp32."""
+    for compression, width in ((None, 2), (hvd.Compression.none, 4)):
+        model = build_mlp(seed=0)
+        opt = hvd_acp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01),
+                                           named_parameters=model.named_parameters(),
+                                           compression=compression)
+        layouts = opt.reducer.layouts
+        assert layouts["0.weight"].r == 5 and layouts["2.weight"].r == 2, layouts
+        sent = []
+        for step in range(steps):
+            before = opt.comm_stats.bytes_sent
+            train_step(opt, model, mlp_loss(hvd.rank(), step))
+            sent.append(opt.comm_stats.bytes_sent - before)
+        expected = [width * opt.reducer.state.wire_elements(Phase.P if step % 2 == 0
+                                                               else Phase.Q)
+                    for step in range(steps)]
+        assert sent == expected, (sent, expected)
+        assert_replicas_identical(model, f"adaptive_defaults_{width}")
+        opt.close()
+    report("adaptive_defaults")
+
+
 def expect_error(check, kind, build):
     try:
         build()
@@ -379,9 +404,9 @@ def check_errors():
 
 CASES = {
     "two": [check_errors, check_replicas, check_exact_vs_horovod, check_unused_branch,
-            check_broadcast],
+            check_broadcast, check_adaptive_defaults],
     "three": [check_replicas, check_exact_vs_horovod, check_unused_branch],
-    "four": [check_replicas],
+    "four": [check_replicas, check_adaptive_defaults],
 }
 
 

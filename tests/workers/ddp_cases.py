@@ -343,6 +343,38 @@ def case_nonfinite(_):
     assert_replicas_identical(params)
 
 
+def case_fp16_wire(_):
+    """fp16_wire: every bucket travels as float16 (2 bytes per element), the
+    average is plain averaging up to fp16 rounding (full rank, square), the
+    replicas stay bit-identical; AdamW turns it on by default, SGD does not."""
+    state = hvd_acp.ddp.ACPState(matrix_rank=6, min_compression_rate=0, step_ahead=0,
+                                 fp16_wire=True)
+    model = ddp(build(Square), state, bucket_cap_mb=0.0002)
+    reference = build(Square)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rounded = False
+    for i in range(6):
+        inputs = [[batch(r, i)] for r in range(size())]
+        expected = expected_average(reference, model, inputs)
+        before = state.comm_stats.bytes_sent
+        opt.zero_grad()
+        x, y = inputs[rank()][0]
+        F.cross_entropy(model(x), y).backward()
+        # Square at full rank: P and Q payloads are the same size.
+        assert state.comm_stats.bytes_sent - before == 2 * state.wire_elements(Phase.P)
+        assert_grads(model, expected, atol=2e-3, rtol=2e-3)
+        rounded |= any(not torch.equal(p.grad.double(), e)
+                       for p, e in zip(model.module.parameters(), expected))
+        opt.step()
+    assert rounded, "nothing was rounded to fp16"
+    assert_replicas_identical(flat(model.module))
+    for optimizer, fp16 in ((torch.optim.AdamW, True), (torch.optim.SGD, False)):
+        module = build(Mixed)
+        default = hvd_acp.ddp.ACPState(optimizer=optimizer(module.parameters(), lr=1e-3))
+        assert default.settings.fp16_wire is fp16 and default.step_ahead == 0.2
+        default.close()
+
+
 def case_step_ahead(_):
     """With the optimizer, each rank takes its gradient at w - a * lr / (1 - momentum)
     * E_i (its own residual); step() updates the true weights, identical on
