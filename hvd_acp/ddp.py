@@ -18,6 +18,7 @@ asynchronous ``all_reduce``. Horovod is not imported.
 # No ``from __future__ import annotations``: DDP compares the hook's
 # annotations with the real ``dist.GradBucket`` and ``Future[Tensor]`` types.
 import contextlib
+import logging
 import weakref
 from typing import Dict, Iterable, Optional, Tuple
 
@@ -31,6 +32,8 @@ from .ddp_buckets import BucketReducer
 from .settings import Settings
 from .state import CompressionState
 from .stepahead import StepAhead, check_step_hooks, hook_optimizer_steps, release
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ACPState", "acp_hook"]
 
@@ -103,7 +106,7 @@ class ACPState:
         self._params: Dict[str, Tensor] = {}
         #: Whether every parameter of the model is known (named, or one
         #: iteration seen): an unknown one then belongs to another model.
-        self._complete = self._named = self._started = False
+        self._complete = self._named = self._started = self._described = False
         self._step_ahead: Optional[StepAhead] = None
         self._finalizer = None
         if named_parameters is not None:
@@ -284,9 +287,10 @@ class ACPState:
         if not self._started:
             self._agree(bucket.buffer().device)
         names = [self._name_of(p) for p in bucket.parameters()]
-        if bucket.is_last():
+        if bucket.is_last() and not self._described:
             self.compression.check_loaded()
-            self._complete = True
+            self._complete = self._described = True
+            logger.info("hvd_acp: %s", self.compression.describe(self.settings.fp16_wire))
         return self._buckets.reduce(bucket, self.compression, names,
                                     fp16_wire=self.settings.fp16_wire)
 

@@ -89,6 +89,8 @@ class ACPReducer:
         self.state = CompressionState(**settings.compression_kwargs())
         for name, param in self.params.items():
             self.state.add(name, param.shape, param.dtype, self.device)
+        if self.included:
+            logger.info("hvd_acp: %s", self.state.describe(settings.fp16_wire))
         self._on_first_round = on_first_round
         #: Where the state came from (for the first round's check).
         self.origin = "fresh"

@@ -569,6 +569,19 @@ class CompressionState:
                     describe_ranks(self.ranks()), self.compressed_elements(),
                     sum(lay.numel for lay in self.layouts.values()))
 
+    def describe(self, fp16_wire: bool = False) -> str:
+        """One line for the log: what is compressed at which ranks, and the
+        share of S-SGD's bytes a step sends (P and Q steps on average)."""
+        sent_bytes = sum((lay.payload_numel(Phase.P) + lay.payload_numel(Phase.Q)) / 2
+                         * (2 if fp16_wire else lay.dtype.itemsize)
+                         for lay in self.layouts.values())
+        dense = sum(lay.numel * lay.grad_dtype.itemsize for lay in self.layouts.values())
+        return (f"compressed: {describe_ranks(self.ranks())}, "
+                f"{len(self.layouts) - len(self.tensors)} other tensors averaged whole; "
+                f"a step sends {sent_bytes / dense:.1%} of "
+                f"S-SGD's bytes ({sent_bytes:,.0f} of {dense:,} bytes"
+                f"{', fp16 on the wire' if fp16_wire else ''})")
+
     def compressed_elements(self) -> int:
         """Elements one rank sends in a compressed step (the larger of P and Q)."""
         return max(self.wire_elements(Phase.P), self.wire_elements(Phase.Q))

@@ -240,3 +240,15 @@ def test_a_gradient_in_the_parameters_shape_or_layout_compresses_alike(phase):
     out, error = results[0]
     sent = out @ basis.t() if phase is Phase.P else basis @ out.t()
     assert_close(sent + error, accumulated)
+
+
+def test_describe_gives_the_ranks_and_the_share_of_s_sgd_bytes():
+    cpu = torch.device("cpu")
+    state = CompressionState(matrix_rank=2, min_compression_rate=1.0, warmup_steps=0, seed=0)
+    state.add("w", (8, 8), torch.float32, cpu)
+    state.add("b", (8,), torch.float32, cpu)
+    # Each step sends 8 * 2 factor elements and the 8 of the bias: 24 of 72.
+    line = state.describe()
+    assert "compressed: 1 tensors, rank 2-2" in line and "1 other tensors averaged whole" in line
+    assert "33.3% of S-SGD's bytes (96 of 288 bytes)" in line
+    assert "16.7% of S-SGD's bytes (48 of 288 bytes, fp16 on the wire)" in state.describe(True)
