@@ -137,7 +137,7 @@ def main(argv=None) -> None:
         sent = acp.state.comm_stats.bytes_sent / result.global_step if acp else dense
         summary = {"method": args.method, "matrix_rank": args.matrix_rank, "lr": args.lr,
                    "seed": args.seed, "world_size": world, "steps": result.global_step,
-                   "final_val_loss": final, "bytes_per_step": sent,
+                   "val_loss": final, "bytes_per_step": sent,
                    "ssgd_bytes_per_step": dense, "wall_s": wall,
                    "ranks": acp.state.compression.ranks() if acp else None}
         print(f"final validation loss {final:.4f}; bytes per step and rank {sent:,.0f} "
