@@ -280,8 +280,10 @@ def _summarize(cfg: BenchConfig, method: str, ranks: List[Dict[str, Any]]) -> Di
     for key in ("ops_per_step", "kernels_per_step"):      # --count-ops: rank 0's
         if key in ranks[0]:
             entry[key] = ranks[0][key]
-    if "bytes_sent_per_step_analytic" in ranks[0]:      # torch's powerSGD_hook
+    if "bytes_sent_per_step_analytic" in ranks[0]:      # powerSGD_hook, hvd_acp.baselines
         entry["bytes_sent_per_step_analytic"] = ranks[0]["bytes_sent_per_step_analytic"]
+    if all("bytes_received" in r for r in ranks):          # hvd_acp.baselines
+        entry["bytes_received_per_step"] = sum(r["bytes_received"] for r in ranks) / per_rank
     return entry
 
 
@@ -394,7 +396,11 @@ NOTES = [
     "per optimizer step; DDP fp16_compress_hook: each bucket in fp16; DDP powerSGD_hook "
     "(batched or not): counted at `dist.all_reduce`, equal to the analytic sum over "
     "parameters of (n + m) r for compressed and numel for other tensors, times 4 bytes. "
-    "A ring all-reduce puts 2(N-1)/N times that on each rank's link.",
+    "A ring all-reduce puts 2(N-1)/N times that on each rank's link. DiLoCo (diloco) "
+    "all-reduces every parameter once every H steps: over fewer timed steps the count can be "
+    "0, and bytes_sent_per_step_analytic gives the bytes over H; the DeMo-style method "
+    "(demo) all-gathers its coefficients, and bytes_received_per_step counts the other "
+    "ranks' parts it receives (N-1 times its own) plus its averaged 1-D gradients.",
     "allreduces_per_step: all-reduce operations started per step (hvd_acp: fused buffers, "
     "one per tensor for acp-nofusion; S-SGD under Horovod: tensors handed to Horovod, "
     "which fuses them in its background thread; DDP and DDP fp16: 1 per bucket; DDP "

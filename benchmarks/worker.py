@@ -230,9 +230,16 @@ def _counters(job: Job, built: Distributed, result: Dict[str, Any],
         result["bytes_sent_per_step_analytic"] = powersgd_ddp_bytes_per_step(
             built.model.module, built.state.matrix_approximation_rank)
         result["powersgd_start_iter"] = built.state.start_powerSGD_iter
-    return {"bytes_sent": lambda: built.counters().bytes_sent,
-            "allreduces": lambda: built.counters().allreduces,
-            "compression_seconds": lambda: built.counters().compression_seconds}
+    counters = {"bytes_sent": lambda: built.counters().bytes_sent,
+                "allreduces": lambda: built.counters().allreduces,
+                "compression_seconds": lambda: built.counters().compression_seconds}
+    expected = getattr(built.optimizer, "expected_bytes_per_step", None)
+    if expected is not None:
+        # hvd_acp.baselines: DiLoCo sends once every H steps, which a few
+        # timed steps may not reach; DeMo receives more than it sends.
+        result["bytes_sent_per_step_analytic"] = expected()
+        counters["bytes_received"] = lambda: built.counters().bytes_received
+    return counters
 
 
 def _is_powersgd_hook(state: Any) -> bool:

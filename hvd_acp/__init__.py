@@ -4,6 +4,7 @@
                                              named_parameters=model.named_parameters())
 """
 from .autorank import AutoRank
+from .baselines import DeMoOptimizer, DiLoCoOptimizer
 from .compression import Phase
 from .comm import CommStats, Communicator, HorovodCommunicator, LocalCommunicator
 from .optimizer import DistributedOptimizer
@@ -12,9 +13,9 @@ from .settings import Settings
 
 __version__ = "0.1.0"
 
-__all__ = ["DistributedOptimizer", "PowerSGDOptimizer", "Settings", "AutoRank", "Phase",
-           "CommStats", "Communicator", "HorovodCommunicator", "LocalCommunicator",
-           "__version__"]
+__all__ = ["DistributedOptimizer", "PowerSGDOptimizer", "DiLoCoOptimizer", "DeMoOptimizer",
+           "Settings", "AutoRank", "Phase", "CommStats", "Communicator", "HorovodCommunicator",
+           "LocalCommunicator", "__version__"]
 
 
 def __getattr__(name):

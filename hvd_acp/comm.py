@@ -29,12 +29,20 @@ class CommStats:
     Attributes:
         allreduces: number of all-reduce operations launched (a sparse
             reduction, two allgathers, counts as one).
-        bytes_sent: payload bytes handed to all-reduce (after wire
-            compression such as fp16), i.e. what this rank contributes.
+        bytes_sent: payload bytes handed to all-reduce and all-gather (after
+            wire compression such as fp16), i.e. what this rank contributes.
+        allgathers: number of all-gathers launched (:meth:`Communicator.allgather_async`).
+        bytes_received: payload bytes the collectives handed back to this
+            rank: an all-reduce as many as it was handed, an all-gather every
+            other rank's part (N - 1 times this rank's when the parts are equal).
+            Counted by the communicators here; the DDP hook's state counts
+            ``allreduces`` and ``bytes_sent`` only.
     """
 
     allreduces: int = 0
     bytes_sent: int = 0
+    allgathers: int = 0
+    bytes_received: int = 0
 
 
 class Communicator:
@@ -89,6 +97,16 @@ class Communicator:
         """Every rank's ``obj``, in rank order (a blocking collective)."""
         raise NotImplementedError
 
+    def allgather_async(self, tensor: Tensor, name: str) -> Any:
+        """Start gathering every rank's ``tensor`` (the same shape but for
+        dimension 0 on every rank); returns a handle for :meth:`synchronize_allgather`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot all-gather tensors")
+
+    def synchronize_allgather(self, handle: Any) -> Tensor:
+        """Wait for an :meth:`allgather_async` handle; returns every rank's
+        tensor concatenated along dimension 0, in rank order."""
+        raise NotImplementedError
+
     def broadcast_object(self, obj: Any, root_rank: int, name: str) -> Any:
         """``obj`` of ``root_rank`` on every rank (a blocking collective)."""
         raise NotImplementedError
@@ -96,7 +114,16 @@ class Communicator:
     def _count(self, *tensors: Tensor) -> None:
         """Count one operation that sends ``tensors``."""
         self.stats.allreduces += 1
-        self.stats.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+        sent = sum(t.numel() * t.element_size() for t in tensors)
+        self.stats.bytes_sent += sent
+        self.stats.bytes_received += sent
+
+    def _count_gather(self, sent: Tensor, gathered: Tensor) -> None:
+        """Count one all-gather: ``sent`` out, the other ranks' part of ``gathered`` in."""
+        self.stats.allgathers += 1
+        own = sent.numel() * sent.element_size()
+        self.stats.bytes_sent += own
+        self.stats.bytes_received += gathered.numel() * gathered.element_size() - own
 
 
 class LocalCommunicator(Communicator):
@@ -141,6 +168,14 @@ class LocalCommunicator(Communicator):
 
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
         return [obj]
+
+    def allgather_async(self, tensor: Tensor, name: str) -> Any:
+        self.launched.append(name)
+        return tensor
+
+    def synchronize_allgather(self, handle: Any) -> Tensor:
+        self._count_gather(handle, handle)
+        return handle.clone()
 
     def broadcast_object(self, obj: Any, root_rank: int, name: str) -> Any:
         return obj
@@ -256,6 +291,15 @@ class HorovodCommunicator(Communicator):
 
     def synchronize_sparse(self, handle: Any) -> Tensor:
         return handle()
+
+    def allgather_async(self, tensor: Tensor, name: str) -> Any:
+        return tensor, self._hvd.allgather_async(tensor, name=name, process_set=self.process_set)
+
+    def synchronize_allgather(self, handle: Any) -> Tensor:
+        sent, pending = handle
+        gathered = self._hvd.synchronize(pending)
+        self._count_gather(sent, gathered)
+        return gathered
 
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
         # Like hvd.allgather_object, but over this communicator's process set.

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from typing import Any, Callable, List, NamedTuple
+from typing import Any, Callable, List, NamedTuple, Optional
 
 import torch
 
@@ -35,11 +35,14 @@ __all__ = ["Counters", "CountingCompression", "DDPBucketCounter", "counted_hook"
 
 class Counters(NamedTuple):
     """What one rank has done so far: payload bytes handed to all-reduce,
-    all-reduces launched, seconds of compression maths."""
+    all-reduces launched, seconds of compression maths; and payload bytes
+    the collectives handed back, where a method has other collectives than
+    all-reduces (DeMo's all-gather; None: as many as it sent)."""
 
     bytes_sent: int
     allreduces: int
     compression_seconds: float
+    bytes_received: Optional[int] = None
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -59,7 +59,9 @@ class Method:
 
     Attributes:
         key: its name in ``--methods``, results files and predictions.
-        algorithm: what it computes: ``S-SGD``, ``Power-SGD`` or ``ACP-SGD``.
+        algorithm: what it computes: ``S-SGD``, ``Power-SGD`` or ``ACP-SGD``;
+            or ``DiLoCo`` or ``DeMo``, which average no gradient
+            (:mod:`hvd_acp.baselines`).
         label: its short name, for sentences and the planner's tables.
         implementation: the API that runs it.
         launcher: :data:`HOROVOD` or :data:`TORCHRUN`.
@@ -72,6 +74,9 @@ class Method:
             feedback and warm start).
         not_predicted: why the planner (:mod:`hvd_acp.plan`) does not
             simulate this method; None where it does.
+        settings: the method's own keyword settings that :meth:`build`
+            takes (DiLoCo's ``inner_steps``, ...); the compressors' are
+            :class:`hvd_acp.Settings`' and not listed here.
         variant_of: the key of the method this one is a setting or an
             ablation of (fp16 on the wire, batching, no overlap, no fusion);
             None for the reference implementation of its algorithm under its
@@ -88,6 +93,14 @@ class Method:
     min_warmup_steps: int = 0
     not_predicted: Optional[str] = None
     variant_of: Optional[str] = None
+    settings: Tuple[str, ...] = ()
+
+    @property
+    def averages_gradients(self) -> bool:
+        """Whether it averages every step's gradient (S-SGD, Power-SGD, ACP-SGD),
+        so that its step time ranks it against the others; DiLoCo and DeMo
+        are other algorithms, whose step time says nothing about their loss."""
+        return not self.settings
 
     @property
     def title(self) -> str:
@@ -245,6 +258,23 @@ def _acp_ddp(model, optimizer, *, matrix_rank, warmup_steps, ddp_options, **opti
         state)
 
 
+def _baseline(class_name: str):
+    """Factory of one of :mod:`hvd_acp.baselines`' optimizers around the torch
+    optimizer (the inner one). They compress no gradient: ``matrix_rank`` is
+    ignored, as S-SGD ignores it."""
+    def factory(model, optimizer, *, matrix_rank, warmup_steps, ddp_options, **options):
+        import hvd_acp
+        if warmup_steps:
+            raise ValueError(f"{class_name} has no exact warm-up: no warmup_steps")
+        wrapped = getattr(hvd_acp, class_name)(
+            optimizer, named_parameters=model.named_parameters(), **options)
+        stats = wrapped.comm_stats
+        return Distributed(model, wrapped, lambda: Counters(
+            stats.bytes_sent, stats.allreduces + stats.allgathers,
+            wrapped.compression_seconds, stats.bytes_received))
+    return factory
+
+
 def serialized_hook(hook: Callable) -> Callable:
     """``hook`` (a DDP comm hook) run for one bucket at a time.
 
@@ -274,6 +304,10 @@ def serialized_hook(hook: Callable) -> Callable:
 _NO_FP16_PROFILE = ("the profile has no time for the casts to and from fp16, and the "
                     "timeline no fp16 payload")
 _NO_DDP_SSGD_TIMELINE = "the timeline has no DDP S-SGD (DDP's buckets without a hook) yet"
+_NOT_PER_STEP = ("another algorithm than averaging each step's gradient, so its step time "
+                 "says nothing about its loss: the plan gives its bytes per step and the "
+                 "seconds of its collectives on each link beside the table "
+                 "(hvd_acp.plan.baselines)")
 
 #: Every method, by key, in report order.
 REGISTRY: Dict[str, Method] = {m.key: m for m in (
@@ -313,6 +347,12 @@ REGISTRY: Dict[str, Method] = {m.key: m for m in (
            variant_of="acp"),
     Method("acp-ddp", "ACP-SGD", "ACP-SGD (DDP hook)", "DDP hvd_acp.ddp.acp_hook", TORCHRUN,
            _acp_ddp, "tab:orange"),
+    Method("diloco", "DiLoCo", "DiLoCo", "hvd_acp.DiLoCoOptimizer", HOROVOD,
+           _baseline("DiLoCoOptimizer"), "tab:green", not_predicted=_NOT_PER_STEP,
+           settings=("inner_steps", "outer_lr", "outer_momentum", "nesterov")),
+    Method("demo", "DeMo", "DeMo-style", "hvd_acp.DeMoOptimizer", HOROVOD,
+           _baseline("DeMoOptimizer"), "tab:olive", not_predicted=_NOT_PER_STEP,
+           settings=("top_k", "chunk_size", "momentum_decay")),
 )}
 #: The keys, in report order.
 KEYS: Tuple[str, ...] = tuple(REGISTRY)

@@ -61,6 +61,20 @@ def test_recommendation_names_the_fastest_other_method_when_acp_loses():
     assert line.startswith("S-SGD is ") and "keep S-SGD" in line
 
 
+def test_recommendation_leaves_the_baselines_out_and_says_why():
+    # DiLoCo's timed steps are inner steps: fastest here, but not a rival.
+    measured = _measured({"ssgd": [3.0] * 6, "diloco": [0.5] * 6, "demo": [0.8] * 6,
+                          "acp": [1.0] * 6}, {"diloco": 0.0, "demo": 10.0, "acp": 5.0})
+    summary = report.summarize(measured, samples_per_step=8)
+    assert summary["speedup"]["diloco"]["verdict"] == "slower"      # still in the table
+    line = summary["recommendation"]
+    assert line.startswith("ACP-SGD is 3.00x [3.00, 3.00] faster than S-SGD"), line
+    assert "Left out of this comparison: DiLoCo, DeMo-style" in line
+    alone = report.summarize(_measured({"diloco": [0.5] * 6, "acp": [1.0] * 6}), 8)
+    assert alone["recommendation"].startswith(
+        "No other method that averages each step's gradient was measured beside ACP-SGD.")
+
+
 def test_recommendation_says_not_separable_and_warns_on_few_rounds():
     measured = _measured({"ssgd": [1.0, 1.2], "acp": [1.1, 1.1]})
     summary = report.summarize(measured, samples_per_step=8)

@@ -572,3 +572,30 @@ def test_recommendation_needs_a_gain_beyond_the_planners_error():
     assert "1.03x" in near["reason"]
     clear = recommend(methods(0.90), 4, 8, 10000.0)
     assert clear["method"] == "acp" and clear["matrix_rank"] == 4
+
+
+def test_the_plan_lists_the_baselines_bytes_beside_its_tables():
+    from hvd_acp.plan.report import format_plan_md, predict_grid
+    params = [{"name": "w", "bytes": 4 * 64 * 100, "ready_s": 1.0, "shape": [64, 100],
+               "numel": 6400},
+              {"name": "b", "bytes": 4 * 64, "ready_s": 0.5, "shape": [64], "numel": 64}]
+    entries = predict_grid(synthetic(params), [2, 4], [100.0], [0.0])
+    four = entries[1]["baselines"]
+    assert set(entries[1]["methods"]) == {"ssgd", "powersgd", "powersgd-ddp", "acp", "acp-ddp"}
+    # DiLoCo: every parameter once per 500 steps; DeMo: 100 chunks of 64,
+    # 8 values of 4 bytes and 8 positions of 1, and the 1-D tensor.
+    assert four["diloco"]["bytes_sent"] == four["diloco"]["bytes_received"] == 25856 / 500
+    assert four["demo"]["bytes_sent"] == 100 * 8 * 5 + 256
+    assert four["demo"]["bytes_received"] == 3 * 100 * 8 * 5 + 256
+    assert entries[0]["baselines"]["demo"]["bytes_received"] == 100 * 8 * 5 + 256
+    plan = {"config": {"compute_scale": 1.0, "cycle_time_ms": 1.0, "host_s_per_byte": 0.0,
+                       "wire_efficiency": 1.0}, "predictions": entries}
+    text = format_plan_md(plan)
+    assert "| 4 | 100 Mbit/s | 5.17e-05 / 5.17e-05 MB; 6.49e-06 s | 0.00426 / 0.0123 MB;" in text
+    assert "DiLoCo (H = 500) and DeMo-style (k = 8 of 64)" in text
+    # A profile without shapes (format 1 does not require them): DiLoCo only.
+    bare = predict_grid(synthetic([{k: v for k, v in p.items() if k != "shape"}
+                                   for p in params]), [2], [100.0], [0.0])
+    assert set(bare[0]["baselines"]) == {"diloco"}
+    assert "n/a (the profile lacks the shapes)" in format_plan_md(
+        dict(plan, predictions=bare))

@@ -44,7 +44,8 @@ def summarize(measured: Dict[str, Dict[str, Any]], samples_per_step: int) -> Dic
         summary = {"label": get(key).label, "title": get(key).title, "step_s": step,
                    "samples_per_s": samples_per_step / step["median"],
                    "rounds_s": list(entry["rounds"]), "last_loss": entry["loss"][-1]}
-        for field in ("bytes_per_step", "allreduces_per_step", "compression_s_per_step"):
+        for field in ("bytes_per_step", "bytes_received_per_step", "allreduces_per_step",
+                      "compression_s_per_step"):
             if entry.get(field):
                 summary[field] = sorted(entry[field])[len(entry[field]) // 2]
         methods[key] = summary
@@ -104,24 +105,33 @@ def _recommendation(summary: Dict[str, Any]) -> str:
         return (f"{methods[fastest]['label']} is the fastest method measured "
                 f"({methods[fastest]['step_s']['median']:.4f} s per step); "
                 "add acp (or acp-ddp with --ddp) to --methods to compare ACP-SGD.")
-    others = [key for key in methods if key != candidate and key in summary["speedup"]]
-    if not others:
+    apart = [methods[key]["label"] for key in methods if not get(key).averages_gradients]
+    note = (f" Left out of this comparison: {', '.join(apart)}, other algorithms than "
+            "averaging each step's gradient, whose step time says nothing about their loss "
+            "(and DiLoCo's outer step, once every H steps, may fall outside the timed ones); "
+            "compare them on the loss (docs/api.md, the baselines)." if apart else "")
+    others = [key for key in methods if key != candidate and key in summary["speedup"]
+              and get(key).averages_gradients]
+    if not others and not apart:
         return f"Only {methods[candidate]['label']} was measured: nothing to compare with."
+    if not others:
+        return (f"No other method that averages each step's gradient was measured beside "
+                f"{methods[candidate]['label']}." + note)
     rival = min(others, key=lambda key: methods[key]["step_s"]["median"])
     ratio = summary["speedup"][rival]
     me, them = methods[candidate]["label"], methods[rival]["label"]
     if ratio["verdict"] == "faster":
         return (f"{me} is {_fmt_interval(ratio)} faster than {them}, the fastest other method "
-                f"here ({_confidence(ratio)}): use it.")
+                f"here ({_confidence(ratio)}): use it." + note)
     inverse = {"median": 1 / ratio["median"], "low": 1 / ratio["high"],
                "high": 1 / ratio["low"]}
     if ratio["verdict"] == "slower":
         return (f"{them} is {_fmt_interval(inverse)} faster than {me} here "
                 f"({_confidence(ratio)}): compression does not pay on this cluster and "
-                f"model; keep {them}.")
+                f"model; keep {them}." + note)
     return (f"{me} and {them} cannot be told apart here: {them}'s step over {me}'s is "
             f"{_fmt_interval(ratio)} ({_confidence(ratio)}). Compression does not clearly "
-            "pay; more rounds (--rounds) narrow the interval.")
+            "pay; more rounds (--rounds) narrow the interval." + note)
 
 
 #: A verdict of the candidate against another method, in the table.

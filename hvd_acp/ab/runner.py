@@ -112,6 +112,9 @@ def _one(world: World, key: str, template: torch.nn.Module, spec: ModelSpec,
     if start is not None and settings.steps:
         result["bytes_per_step"] = (end.bytes_sent - start.bytes_sent) / settings.steps
         result["allreduces_per_step"] = (end.allreduces - start.allreduces) / settings.steps
+        if end.bytes_received is not None:
+            result["bytes_received_per_step"] = (
+                (end.bytes_received - start.bytes_received) / settings.steps)
         result["compression_s_per_step"] = (
             (end.compression_seconds - start.compression_seconds) / settings.steps)
     return result
@@ -141,7 +144,8 @@ def measure(world: World, spec: ModelSpec, settings: Settings,
             entry["rounds"].append(percentile(steps, 50))
             entry["step_s"].extend(steps)
             entry["loss"].append(everyone[0]["loss"])
-            for field in ("bytes_per_step", "allreduces_per_step", "compression_s_per_step"):
+            for field in ("bytes_per_step", "bytes_received_per_step", "allreduces_per_step",
+                          "compression_s_per_step"):
                 if field in mine:
                     # Bytes and all-reduces are the same on every rank; the
                     # compression time is the slowest rank's.

@@ -1,9 +1,11 @@
 """Performance planner: profile one device, predict each method's step on a cluster.
 
-- :mod:`.cost`: ring and hierarchical all-reduce cost model (pure);
+- :mod:`.cost`: ring and hierarchical all-reduce cost model, ring all-gather (pure);
 - :mod:`.timeline`: one step of each method of :mod:`hvd_acp.methods` it
   can simulate (S-SGD, Power-SGD on hvd_acp and the DDP hook, ACP-SGD),
   from a profile (pure);
+- :mod:`.baselines`: bytes per step of DiLoCo and the DeMo-style method and the
+  time of their collectives, beside the table (pure);
 - :mod:`.profile`: the measurements (torch), :func:`profile_model` for any model;
 - :mod:`.models`: the built-in models of ``--model``;
 - :mod:`.link`: link calibration files (a network stack's CPU cost per byte);

@@ -26,7 +26,8 @@ import dataclasses
 import math
 from typing import Optional
 
-__all__ = ["Network", "ETHERNET_PAYLOAD_SHARE", "ring_allreduce_s", "allreduce_s"]
+__all__ = ["Network", "ETHERNET_PAYLOAD_SHARE", "ring_allreduce_s", "allreduce_s",
+           "ring_allgather_s"]
 
 #: Payload share of a full Ethernet frame carrying TCP/IPv4 with timestamps:
 #: 1448 payload bytes of the 1514 a 1500-byte MTU frame puts on the link.
@@ -127,3 +128,22 @@ def allreduce_s(nbytes: float, ranks: int, net: Network) -> float:
     return (ring_allreduce_s(nbytes, g, intra_bps, net.intra_latency_s, net.host_s_per_byte)
             + ring_allreduce_s(nbytes, nodes, net.payload_bytes_per_s, net.latency_s,
                                net.host_s_per_byte + net.stack_s_per_byte))
+
+
+def ring_allgather_s(nbytes: float, ranks: int, net: Network) -> float:
+    """Seconds of one ring all-gather of ``nbytes`` from each of ``ranks`` ranks on ``net``.
+
+    ``N - 1`` steps, in each of which every rank sends and receives one
+    rank's part: ``(N-1) alpha + (N-1) * nbytes * (1/B + gamma)``. Every
+    rank's link carries ``N - 1`` parts each way, where an all-reduce's
+    carries ``2(N-1)/N`` of its buffer. With ``gpus_per_node > 1`` the ring
+    is priced on the links between nodes alone (an upper bound: the parts
+    from the same node travel over its faster links).
+    """
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks!r}")
+    if ranks == 1 or nbytes <= 0:
+        return 0.0
+    moved = (ranks - 1) * nbytes
+    return ((ranks - 1) * net.latency_s + moved / net.payload_bytes_per_s
+            + moved * (net.host_s_per_byte + net.stack_s_per_byte))

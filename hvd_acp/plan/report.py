@@ -6,7 +6,9 @@ import math
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from ..baselines.settings import DeMoSettings, DiLoCoSettings
 from ..methods import REGISTRY, get, label
+from .baselines import baseline_costs
 from .cost import Network
 from .link import stack_s_per_byte
 from .timeline import METHODS, Settings, predict_methods
@@ -60,8 +62,10 @@ def _entry(profile: dict, settings: Settings, latency_us: float) -> dict:
         d = p.as_dict()
         d["speedup_vs_ssgd"] = base / p.step_s if p.step_s > 0 else math.nan
         methods[m] = d
+    baselines = baseline_costs(profile["params"], settings.np, settings.network)
     return {"np": settings.np, "bandwidth_mbit": settings.network.bandwidth_mbit,
             "latency_us": latency_us, "methods": methods,
+            "baselines": {key: cost.as_dict() for key, cost in baselines.items()},
             "recommendation": recommend(methods, profile["matrix_rank"], settings.np,
                                         settings.network.bandwidth_mbit)}
 
@@ -155,6 +159,7 @@ def format_plan_md(plan: dict) -> str:
                  f"{p['bytes_per_step'] / 1e6:.2f} MB"
                  for p in (e["methods"][m] for m in METHODS)]
         lines.append(f"| {e['np']} | {_fmt_bw(e['bandwidth_mbit'])} | " + " | ".join(cells) + " |")
+    lines += _baselines_md(plan)
     if plan.get("crossovers"):
         lines += ["", "Crossover bandwidths (a compressor's step equals S-SGD's; below it the "
                   "compressor is faster):", "", "| ranks | method | bandwidth |", "|---:|---|---:|"]
@@ -171,6 +176,25 @@ def format_plan_md(plan: dict) -> str:
     if cfg.get("command"):
         lines += ["", f"Command: `{cfg['command']}`"]
     return "\n".join(lines) + "\n"
+
+
+def _baselines_md(plan: dict) -> List[str]:
+    """The table of what DiLoCo and the DeMo-style method send (:mod:`.baselines`)."""
+    entries = [e for e in plan["predictions"] if "baselines" in e]
+    if not entries:
+        return []
+    diloco, demo = DiLoCoSettings().resolve(), DeMoSettings().resolve()
+    lines = ["", f"{label('diloco')} (H = {diloco.inner_steps}) and {label('demo')} (k = "
+             f"{demo.top_k} of {demo.chunk_size}), other algorithms than averaging each step's "
+             "gradient, are not in the tables above; per rank and step, MB sent / received "
+             "and the seconds of their collectives on the link, not overlapped with compute:",
+             "", f"| ranks | link | {label('diloco')} | {label('demo')} |", "|---:|---|---|---|"]
+    for e in entries:
+        cells = [f"{c['bytes_sent'] / 1e6:.3g} / {c['bytes_received'] / 1e6:.3g} MB; "
+                 f"{c['comm_s']:.3g} s" if c else "n/a (the profile lacks the shapes)"
+                 for c in (e["baselines"].get(k) for k in ("diloco", "demo"))]
+        lines.append(f"| {e['np']} | {_fmt_bw(e['bandwidth_mbit'])} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _plot(plan: dict, profile: dict, opts: dict, path: Path) -> None:
