@@ -1,7 +1,11 @@
 """Pieces shared by the example scripts.
 
-- the optimizer swap: ``--optimizer {ssgd,powersgd,acp}`` and the one line
-  that wraps a torch optimizer for Horovod (:func:`distributed_optimizer`);
+- the optimizer swap: ``--optimizer`` (every Horovod method of
+  :mod:`hvd_acp.methods`: ``ssgd``, ``powersgd``, ``acp``, the baselines
+  ``diloco`` and ``demo``, ...) and the one line that wraps a torch
+  optimizer for Horovod (:func:`distributed_optimizer`), with the
+  baselines' flags (:func:`add_baseline_args`) and what a training loop does
+  for them (:func:`finish_training`, :func:`evaluation_weights`);
 - the bookkeeping every script reports: bytes each rank sent against what
   S-SGD would have sent (:class:`ByteMeter`), metrics summed over ranks
   (:func:`allreduce_sums`), the ``--summary`` JSON (:func:`finish_run`),
@@ -16,6 +20,7 @@ Imported as ``common`` by scripts run from this directory
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 from typing import Dict, Iterable, Optional, Tuple
@@ -86,14 +91,30 @@ def add_framework_args(parser: argparse.ArgumentParser, *, out: str) -> None:
 
 def distributed_optimizer(name: str, optimizer: torch.optim.Optimizer, model: nn.Module, *,
                           matrix_rank, warmup_steps: int, seed: int,
-                          step_ahead: Optional[float] = None, diagnostics: bool = False):
+                          step_ahead: Optional[float] = None, diagnostics: bool = False,
+                          **method_settings):
     """Wrap ``optimizer`` for Horovod: the one line a user changes.
+
+    ``method_settings`` are the baselines' own (:attr:`hvd_acp.methods.Method.settings`,
+    from :func:`baseline_settings`); a method takes those it lists and
+    refuses the others, and ACP-SGD's flags do not apply to it.
 
     ``ssgd`` is ``hvd.DistributedOptimizer(optimizer, named_parameters)``;
     ``acp`` and ``powersgd`` take the same arguments plus their own
     (``hvd_acp.methods`` builds each).
     """
     method = get_method(name)
+    given = {key: value for key, value in method_settings.items() if value is not None}
+    unknown = sorted(set(given) - set(method.settings))
+    if unknown:
+        raise SystemExit(f"--optimizer {name} takes no {', '.join(unknown)}: those flags "
+                         "apply to " + " or ".join(k for k, m in REGISTRY.items()
+                                                    if set(unknown) & set(m.settings)))
+    if method.settings:
+        if warmup_steps or step_ahead is not None or diagnostics:
+            raise SystemExit("--warmup-steps, --step-ahead and --diagnostics only apply to "
+                             "--optimizer acp or powersgd")
+        return method.build(model, optimizer, **given).optimizer
     if method.algorithm == "S-SGD":
         if warmup_steps or step_ahead is not None or diagnostics:
             raise SystemExit("--warmup-steps, --step-ahead and --diagnostics only apply to "
@@ -104,6 +125,52 @@ def distributed_optimizer(name: str, optimizer: torch.optim.Optimizer, model: nn
         extra["diagnostics"] = True
     return method.build(model, optimizer, matrix_rank=matrix_rank, warmup_steps=warmup_steps,
                         seed=seed, **extra).optimizer
+
+
+#: The baselines' flags: the setting of :mod:`hvd_acp.baselines` each sets,
+#: its type and its help (left out: the library's default).
+BASELINE_FLAGS = {
+    "--diloco-h": ("inner_steps", int, "DiLoCo's inner steps H between two outer steps "
+                                       "(library: 500, the paper's)"),
+    "--diloco-outer-lr": ("outer_lr", float, "DiLoCo's outer learning rate (library: 0.7)"),
+    "--diloco-outer-momentum": ("outer_momentum", float,
+                                "DiLoCo's outer Nesterov momentum (library: 0.9)"),
+    "--demo-k": ("top_k", int, "DeMo: DCT coefficients each rank sends per chunk (library: 8)"),
+    "--demo-chunk": ("chunk_size", int, "DeMo: elements per DCT chunk (library: 64)"),
+    "--demo-beta": ("momentum_decay", float, "DeMo: decay of each rank's momentum "
+                                             "(library: 0.999)"),
+}
+
+
+def add_baseline_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``--optimizer diloco`` and ``demo`` (:data:`BASELINE_FLAGS`)."""
+    group = parser.add_argument_group(
+        "baselines", "settings of --optimizer diloco and demo; left out: the library's "
+        "defaults (hvd_acp.baselines.settings)")
+    for flag, (setting, kind, text) in BASELINE_FLAGS.items():
+        group.add_argument(flag, type=kind, default=None, dest=setting, help=text)
+
+
+def baseline_settings(args: argparse.Namespace) -> Dict[str, object]:
+    """The baselines' settings given on the command line, by their library names."""
+    return {setting: getattr(args, setting) for setting, _, _ in BASELINE_FLAGS.values()
+            if getattr(args, setting, None) is not None}
+
+
+def finish_training(optimizer) -> None:
+    """After the last step: DiLoCo ends on an outer step (a collective) unless
+    it has just taken one, as the replicas differ until then; nothing for the
+    other methods."""
+    if getattr(optimizer, "pending_inner_steps", 0):
+        optimizer.outer_step()
+
+
+def evaluation_weights(optimizer):
+    """A context in which the model holds the weights every rank shares: DiLoCo's
+    global weights of its last outer step; the weights as they are for the
+    other methods (whose replicas are identical)."""
+    shared = getattr(optimizer, "global_weights", None)
+    return shared() if shared is not None else contextlib.nullcontext()
 
 
 def write_diagnostics(path: str, optimizer, step_losses) -> None:
@@ -186,18 +253,26 @@ class ByteMeter:
 
     hvd_acp's optimizers count their own traffic (``comm_stats``);
     ``hvd.DistributedOptimizer`` does not, so for S-SGD the count is one
-    full gradient per step, which is what it submits.
+    full gradient per step, which is what it submits. An all-reduce hands
+    back as many bytes as it was handed; the DeMo-style method's all-gather
+    hands back every other rank's part, which its ``comm_stats`` count.
     """
 
     def __init__(self, optimizer, model: nn.Module):
         self._stats = getattr(optimizer, "comm_stats", None)
         self._start = self._stats.bytes_sent if self._stats is not None else 0
+        self._start_received = getattr(self._stats, "bytes_received", 0)
         self.dense_bytes_per_step = gradient_bytes(model)
 
     def sent(self, steps: int) -> int:
         if self._stats is None:
             return steps * self.dense_bytes_per_step
         return self._stats.bytes_sent - self._start
+
+    def received(self, steps: int) -> int:
+        if not getattr(self._stats, "allgathers", 0):
+            return self.sent(steps)
+        return self._stats.bytes_received - self._start_received
 
     def ssgd(self, steps: int) -> int:
         return steps * self.dense_bytes_per_step
@@ -206,12 +281,14 @@ class ByteMeter:
                ) -> Dict[str, object]:
         """Per-rank counts gathered from every rank (a collective: call on all ranks)."""
         collectives = collectives or HorovodCollectives()
-        by_rank = [int(b) for b in collectives.allgather_object(self.sent(steps),
-                                                                name="bytes_sent")]
+        counts = collectives.allgather_object((self.sent(steps), self.received(steps)),
+                                              name="bytes_sent")
+        by_rank = [int(sent) for sent, _ in counts]
         ssgd = self.ssgd(steps)
         return {
             "bytes_sent_per_rank": max(by_rank),
             "bytes_sent_by_rank": by_rank,
+            "bytes_received_per_rank": max(int(received) for _, received in counts),
             "ssgd_bytes_per_rank": ssgd,
             "compression_ratio": ssgd / max(by_rank) if max(by_rank) else None,
         }

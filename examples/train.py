@@ -25,8 +25,9 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
-from common import (ByteMeter, DigitsCNN, DigitsResNet, add_common_args, allreduce_sums,
-                    distributed_optimizer, finish_run, load_digits_split,
+from common import (ByteMeter, DigitsCNN, DigitsResNet, add_baseline_args, add_common_args,
+                    allreduce_sums, baseline_settings, distributed_optimizer,
+                    evaluation_weights, finish_run, finish_training, load_digits_split,
                     write_diagnostics)
 
 
@@ -34,6 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_common_args(parser, epochs=12, lr=0.025, batch_size=32)
+    add_baseline_args(parser)
     parser.add_argument("--arch", choices=("cnn", "resnet"), default="cnn",
                         help="cnn: two convolutions and two linear layers; resnet: a small "
                              "BatchNorm ResNet (default: %(default)s)")
@@ -86,7 +88,8 @@ def main(argv=None) -> dict:
     optimizer = distributed_optimizer(args.optimizer, optimizer, model,
                                       matrix_rank=args.matrix_rank,
                                       warmup_steps=args.warmup_steps, seed=args.seed,
-                                      step_ahead=args.step_ahead, **extra)
+                                      step_ahead=args.step_ahead, **extra,
+                                      **baseline_settings(args))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     meter = ByteMeter(optimizer, model)
@@ -116,10 +119,13 @@ def main(argv=None) -> dict:
             step_losses.append(loss.item())
             loss_sum += loss.item() * len(labels)
             count += len(labels)
+        if epoch == args.epochs:
+            finish_training(optimizer)
         train_s += time.perf_counter() - epoch_start
 
         train = allreduce_sums({"loss": loss_sum, "count": count}, name="eval.train")
-        test = evaluate(model, test_set)
+        with evaluation_weights(optimizer):
+            test = evaluate(model, test_set)
         history["test_accuracy"].append(test["accuracy"])
         history["test_loss"].append(test["loss"])
         history["train_loss"].append(train["loss"] / train["count"])

@@ -34,8 +34,9 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
-from common import (ByteMeter, add_common_args, allreduce_sums, distributed_optimizer,
-                    finish_run)
+from common import (ByteMeter, add_baseline_args, add_common_args, allreduce_sums,
+                    baseline_settings, distributed_optimizer, evaluation_weights, finish_run,
+                    finish_training)
 
 VOCAB_SIZE = 256
 VALIDATION_BUCKET = 10   # one file in ten (by path hash) is validation
@@ -45,6 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_common_args(parser, epochs=10, lr=4e-3, batch_size=16)
+    add_baseline_args(parser)
     parser.add_argument("--steps-per-epoch", type=int, default=100,
                         help="optimizer steps between two validations")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per training window")
@@ -190,7 +192,7 @@ def main(argv=None) -> dict:
     optimizer = distributed_optimizer(args.optimizer, optimizer, model,
                                       matrix_rank=args.matrix_rank,
                                       warmup_steps=args.warmup_steps, seed=args.seed,
-                                      step_ahead=args.step_ahead)
+                                      step_ahead=args.step_ahead, **baseline_settings(args))
     total_steps = args.epochs * args.steps_per_epoch
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, args.lr_warmup_steps, total_steps))
@@ -230,11 +232,14 @@ def main(argv=None) -> dict:
             loss_sum += loss.item()
             if not math.isfinite(loss.item()):
                 raise FloatingPointError(f"training loss is {loss.item()} at step {steps}")
+        if epoch == args.epochs:
+            finish_training(optimizer)
         train_s += time.perf_counter() - epoch_start
 
         train = allreduce_sums({"loss": loss_sum, "steps": args.steps_per_epoch},
                                name="eval.train")
-        val = evaluate(model, val_windows)
+        with evaluation_weights(optimizer):
+            val = evaluate(model, val_windows)
         history["val_loss"].append(val["loss"])
         history["val_ppl"].append(val["ppl"])
         history["train_loss"].append(train["loss"] / train["steps"])

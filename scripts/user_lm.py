@@ -14,14 +14,22 @@ path. Only the ``--optimizer`` line differs between methods:
 - ``ssgd``: ``hvd.DistributedOptimizer``;
 - ``acp``: ``hvd_acp.DistributedOptimizer`` with ``--matrix-rank`` (an int,
   or ``auto``: the library's default);
-- ``powersgd``: ``hvd_acp.PowerSGDOptimizer`` with ``--matrix-rank``.
+- ``powersgd``: ``hvd_acp.PowerSGDOptimizer`` with ``--matrix-rank``;
+- ``diloco``: ``hvd_acp.DiLoCoOptimizer`` (AdamW as the inner optimizer)
+  with ``--diloco-h``, ``--diloco-outer-lr``, ``--diloco-outer-momentum``;
+  the run ends on an outer step;
+- ``demo``: ``hvd_acp.DeMoOptimizer`` (a sign update at ``--lr`` for the
+  matrices, AdamW for the 1-D tensors) with ``--demo-k``, ``--demo-chunk``,
+  ``--demo-beta``.
 
 Rank 0 writes ``--summary`` JSON: final validation loss, bytes each rank
-sent, and (for ``acp`` with ``auto``) the ranks chosen per tensor.
+sent (and received: more than sent for ``demo``'s all-gather), and (for
+``acp`` with ``auto``) the ranks chosen per tensor.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -40,7 +48,8 @@ from hvd_acp.plan.units import matrix_rank_type
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--optimizer", choices=("ssgd", "acp", "powersgd"), default="acp")
+    parser.add_argument("--optimizer", choices=("ssgd", "acp", "powersgd", "diloco", "demo"),
+                        default="acp")
     parser.add_argument("--matrix-rank", type=matrix_rank_type, default=None,
                         help="an int, or 'auto'; default: the library's default")
     parser.add_argument("--auto-energy", type=float, default=None,
@@ -50,6 +59,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--auto-max-rank", type=int, default=None,
                         help="with --matrix-rank auto: AutoRank(max_rank=...)")
     parser.add_argument("--step-ahead", type=float, default=None)
+    parser.add_argument("--diloco-h", type=int, default=None,
+                        help="diloco: inner steps between outer steps (default: the library's)")
+    parser.add_argument("--diloco-outer-lr", type=float, default=None)
+    parser.add_argument("--diloco-outer-momentum", type=float, default=None)
+    parser.add_argument("--demo-k", type=int, default=None,
+                        help="demo: coefficients sent per chunk (default: the library's)")
+    parser.add_argument("--demo-chunk", type=int, default=None)
+    parser.add_argument("--demo-beta", type=float, default=None)
     parser.add_argument("--warmup-steps", type=int, default=None,
                         help="hvd_acp's exact steps before compression (default: the library's)")
     parser.add_argument("--steps", type=int, default=600)
@@ -156,8 +173,19 @@ def main(argv=None) -> dict:
         extra["step_ahead"] = args.step_ahead
     if args.warmup_steps is not None:
         extra["warmup_steps"] = args.warmup_steps
+    if extra and args.optimizer in ("diloco", "demo"):
+        raise SystemExit(f"--optimizer {args.optimizer} takes none of {sorted(extra)}")
     if args.optimizer == "ssgd":
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=named)
+    elif args.optimizer == "diloco":
+        optimizer = hvd_acp.DiLoCoOptimizer(optimizer, named_parameters=named,
+                                            inner_steps=args.diloco_h,
+                                            outer_lr=args.diloco_outer_lr,
+                                            outer_momentum=args.diloco_outer_momentum)
+    elif args.optimizer == "demo":
+        optimizer = hvd_acp.DeMoOptimizer(optimizer, named_parameters=named,
+                                          top_k=args.demo_k, chunk_size=args.demo_chunk,
+                                          momentum_decay=args.demo_beta)
     elif args.optimizer == "acp":
         optimizer = hvd_acp.DistributedOptimizer(optimizer, named_parameters=named, **extra)
     else:
@@ -189,6 +217,8 @@ def main(argv=None) -> dict:
         scheduler.step()
         if not math.isfinite(loss.item()):
             raise FloatingPointError(f"loss {loss.item()} at step {step}")
+    if getattr(optimizer, "pending_inner_steps", 0):
+        optimizer.outer_step()      # DiLoCo: the replicas agree again
     wall = time.perf_counter() - started
 
     model.eval()
@@ -200,13 +230,17 @@ def main(argv=None) -> dict:
                          op=hvd.Sum, name="val")
     val_loss = float(sums[0] / sums[1])
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    sent = (optimizer.comm_stats.bytes_sent if hasattr(optimizer, "comm_stats")
-            else grad_bytes * args.steps)
+    stats = getattr(optimizer, "comm_stats", None)
+    sent = stats.bytes_sent if stats is not None else grad_bytes * args.steps
+    received = stats.bytes_received if stats is not None else grad_bytes * args.steps
     summary = {"optimizer": args.optimizer, "optim": args.optim, "lr": args.lr,
                "matrix_rank": args.matrix_rank, "auto": auto,
                "step_ahead": args.step_ahead, "seed": args.seed, "ranks": hvd.size(),
                "steps": args.steps, "val_loss": val_loss, "bytes_per_step": sent / args.steps,
+               "bytes_received_per_step": received / args.steps,
                "ssgd_bytes_per_step": grad_bytes, "wall_s": wall}
+    if args.optimizer in ("diloco", "demo"):
+        summary["method_settings"] = dataclasses.asdict(optimizer.settings)
     if hasattr(optimizer, "chosen_ranks"):
         summary["chosen_ranks"] = optimizer.chosen_ranks()
     if hvd.rank() == 0:

@@ -127,6 +127,51 @@ def test_lm_smoke_loss_finite_and_decreasing(tmp_path):
     assert 0 < summary["bytes_sent_per_rank"] < summary["ssgd_bytes_per_rank"]
 
 
+def test_the_examples_pass_each_method_its_own_flags():
+    import argparse
+
+    import torch
+    from torch import nn
+    spec = importlib.util.spec_from_file_location("examples_common_flags", EXAMPLES / "common.py")
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    parser = argparse.ArgumentParser()
+    common.add_baseline_args(parser)
+    args = parser.parse_args(["--diloco-h", "20", "--demo-k", "2"])
+    assert common.baseline_settings(args) == {"inner_steps": 20, "top_k": 2}
+    model = nn.Linear(4, 2)
+    inner = torch.optim.AdamW(model.parameters())
+    with pytest.raises(SystemExit, match="--optimizer acp takes no inner_steps"):
+        common.distributed_optimizer("acp", inner, model, matrix_rank=None, warmup_steps=0,
+                                     seed=0, inner_steps=20)
+    with pytest.raises(SystemExit, match="--optimizer diloco takes no top_k"):
+        common.distributed_optimizer("diloco", inner, model, matrix_rank=None, warmup_steps=0,
+                                     seed=0, inner_steps=20, top_k=2)
+    with pytest.raises(SystemExit, match="only apply to --optimizer acp or powersgd"):
+        common.distributed_optimizer("demo", inner, model, matrix_rank=None, warmup_steps=3,
+                                     seed=0)
+
+
+@pytest.mark.parametrize("optimizer, flags", [("diloco", ("--diloco-h", "4")),
+                                              ("demo", ("--demo-k", "4"))])
+def test_lm_smoke_with_the_baselines(tmp_path, optimizer, flags):
+    summary = _run_example(
+        "train_lm.py", tmp_path / "lm.json", "--optimizer", optimizer, *flags, "--epochs", "2",
+        "--steps-per-epoch", "5", "--lr-warmup-steps", "2", "--d-model", "64",
+        "--layers", "1", "--seq-len", "32", "--val-windows", "32", timeout=150)
+    assert LM_FIELDS | {"bytes_received_per_rank"} <= set(summary)
+    losses = [summary["initial_val_loss"], *summary["val_loss_per_epoch"]]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+    sent, dense = summary["bytes_sent_per_rank"], summary["ssgd_bytes_per_rank"] // 10
+    if optimizer == "diloco":
+        # Outer steps after steps 4 and 8, and the one that ends the run.
+        assert summary["bytes_sent_by_rank"] == [3 * dense] * 2
+    else:
+        assert 0 < sent < 10 * dense / 4
+    # At 2 ranks an all-gather receives as much as it sends.
+    assert summary["bytes_received_per_rank"] == sent
+
+
 @pytest.mark.timeout(400)
 @requires_emulation
 def test_compare_runs_the_digits_over_an_emulated_link(tmp_path):
