@@ -303,6 +303,17 @@ def format_bytes_report(report: Dict[str, object], steps: int) -> str:
             + (f"{ratio:.1f}x less" if ratio else "n/a"))
 
 
+def settings_of(optimizer) -> Dict[str, object]:
+    """``{"settings": ...}``: the ACP-SGD settings a run trained with, every
+    default decided (``hvd_acp.Settings``), for the summary's config; empty
+    for a method without them."""
+    settings = getattr(optimizer, "settings", None)
+    if not hasattr(settings, "as_kwargs"):
+        return {}
+    return {"settings": {key: value if isinstance(value, (int, float, str, bool)) or value is None
+                         else str(value) for key, value in settings.as_kwargs().items()}}
+
+
 def finish_run(args: argparse.Namespace, meter: "ByteMeter", history: Dict[str, list],
                steps: int, wall_s: float, train_s: float, fields: Dict[str, object],
                config: Dict[str, object], final_line: str,

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from common import (ByteMeter, DigitsCNN, DigitsResNet, add_baseline_args, add_common_args,
                     allreduce_sums, baseline_settings, distributed_optimizer,
                     evaluation_weights, finish_run, finish_training, load_digits_split,
-                    write_diagnostics)
+                    settings_of, write_diagnostics)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -146,7 +146,8 @@ def main(argv=None) -> dict:
                 "test_loss": history["test_loss"][-1],
                 "test_accuracy_per_epoch": history["test_accuracy"],
                 "loss_per_epoch": history["test_loss"]},
-        config={"effective_lr": lr, "train_size": len(train_set), "test_size": len(test_set)},
+        config={"effective_lr": lr, "train_size": len(train_set), "test_size": len(test_set),
+                **settings_of(optimizer)},
         final_line=f"final test accuracy {100 * history['test_accuracy'][-1]:.2f}%, "
                    f"wall time {wall_s:.1f} s")
 

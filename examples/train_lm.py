@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from common import (ByteMeter, add_baseline_args, add_common_args, allreduce_sums,
                     baseline_settings, distributed_optimizer, evaluation_weights, finish_run,
-                    finish_training)
+                    finish_training, settings_of)
 
 VOCAB_SIZE = 256
 VALIDATION_BUCKET = 10   # one file in ten (by path hash) is validation
@@ -259,7 +259,8 @@ def main(argv=None) -> dict:
                 "val_loss_per_epoch": history["val_loss"],
                 "val_ppl_per_epoch": history["val_ppl"], "corpus": corpus},
         config={"effective_lr": lr,
-                "parameters": sum(p.numel() for p in model.parameters())},
+                "parameters": sum(p.numel() for p in model.parameters()),
+                **settings_of(optimizer)},
         final_line=f"final val loss {history['val_loss'][-1]:.4f} "
                    f"(ppl {history['val_ppl'][-1]:.2f}), wall time {wall_s:.1f} s")
 

@@ -159,6 +159,7 @@ class DistributedOptimizer(LocalStep):
             diagnostics=diagnostics, overlap=args.overlap,
             on_first_round=None if elastic else functools.partial(
                 _agree_on_state, self._comm, self.name_prefix))
+        self._settings = settings
         self._step_ahead = StepAhead(self._reducer.state, self._reducer.params, self._optimizer,
                                      settings.step_ahead, share=self._reducer.share,
                                      included=self._reducer.included)
@@ -263,6 +264,12 @@ class DistributedOptimizer(LocalStep):
     @property
     def reducer(self) -> ACPReducer:
         return self._reducer
+
+    @property
+    def settings(self) -> Settings:
+        """The :class:`~hvd_acp.Settings` this optimizer trains with, every
+        default decided (by the wrapped optimizer's family)."""
+        return self._settings
 
     def chosen_ranks(self) -> Dict[str, int]:
         """name -> rank of every compressed parameter (the choices of the last

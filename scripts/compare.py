@@ -384,7 +384,10 @@ def _mb(nbytes: float) -> str:
 
 
 def _rank(run: Run, summary: dict) -> str:
-    return "–" if run.optimizer == "ssgd" else str(summary["config"]["matrix_rank"])
+    if run.optimizer == "ssgd":
+        return "–"
+    config = summary["config"]
+    return str(config.get("settings", {}).get("matrix_rank", config["matrix_rank"]))
 
 
 def _bytes_cells(summary: dict) -> str:

@@ -48,7 +48,10 @@ def test_digits_acp_reaches_90_percent(tmp_path):
     assert DIGITS_FIELDS <= set(summary), DIGITS_FIELDS - set(summary)
     assert summary["config"]["optimizer"] == "acp"
     assert summary["config"]["world_size"] == 2
-    assert summary["config"]["matrix_rank"] == 4
+    # No --matrix-rank: the library's default for SGD, recorded as resolved.
+    assert summary["config"]["matrix_rank"] is None
+    assert summary["config"]["settings"]["matrix_rank"] == 4
+    assert summary["config"]["settings"]["fp16_wire"] is False
     assert len(summary["test_accuracy_per_epoch"]) == epochs
     assert len(summary["loss_per_epoch"]) == epochs
     assert summary["test_accuracy"] == summary["test_accuracy_per_epoch"][-1]
