@@ -35,8 +35,6 @@ class CommStats:
         bytes_received: payload bytes the collectives handed back to this
             rank: an all-reduce as many as it was handed, an all-gather every
             other rank's part (N - 1 times this rank's when the parts are equal).
-            Counted by the communicators here; the DDP hook's state counts
-            ``allreduces`` and ``bytes_sent`` only.
     """
 
     allreduces: int = 0

@@ -106,6 +106,7 @@ class BucketReducer:
         with self._lock:
             self.comm_stats.allreduces += 1
             self.comm_stats.bytes_sent += sent.numel() * sent.element_size()
+            self.comm_stats.bytes_received += sent.numel() * sent.element_size()
         future = dist.all_reduce(sent, group=self.process_group, async_op=True).get_future()
         if owed is not None:
             # Before the callback is attached, which may then touch E.

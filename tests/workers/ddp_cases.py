@@ -362,6 +362,7 @@ def case_fp16_wire(_):
         F.cross_entropy(model(x), y).backward()
         # Square at full rank: P and Q payloads are the same size.
         assert state.comm_stats.bytes_sent - before == 2 * state.wire_elements(Phase.P)
+        assert state.comm_stats.bytes_received == state.comm_stats.bytes_sent
         assert_grads(model, expected, atol=2e-3, rtol=2e-3)
         rounded |= any(not torch.equal(p.grad.double(), e)
                        for p, e in zip(model.module.parameters(), expected))
