@@ -11,9 +11,11 @@ sources (a different text from the standard library of
 ``examples/train_lm.py``), split into train and validation by a hash of the
 path. Only the ``--optimizer`` line differs between methods:
 
-- ``ssgd``: ``hvd.DistributedOptimizer``;
+- ``ssgd``: ``hvd.DistributedOptimizer``; ``ssgd-fp16`` with
+  ``compression=hvd.Compression.fp16``;
 - ``acp``: ``hvd_acp.DistributedOptimizer`` with ``--matrix-rank`` (an int,
-  or ``auto``: the library's default);
+  a share of each matrix's smaller side, ``auto``, or left out: the
+  library's default);
 - ``powersgd``: ``hvd_acp.PowerSGDOptimizer`` with ``--matrix-rank``;
 - ``diloco``: ``hvd_acp.DiLoCoOptimizer`` (AdamW as the inner optimizer)
   with ``--diloco-h``, ``--diloco-outer-lr``, ``--diloco-outer-momentum``;
@@ -48,7 +50,8 @@ from hvd_acp.plan.units import matrix_rank_type
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--optimizer", choices=("ssgd", "acp", "powersgd", "diloco", "demo"),
+    parser.add_argument("--optimizer", choices=("ssgd", "ssgd-fp16", "acp", "powersgd", "diloco",
+                                                "demo"),
                         default="acp")
     parser.add_argument("--matrix-rank", type=matrix_rank_type, default=None,
                         help="an int, or 'auto'; default: the library's default")
@@ -70,7 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup-steps", type=int, default=None,
                         help="hvd_acp's exact steps before compression (default: the library's)")
     parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=1e-2,
+                        help="peak learning rate (default: S-SGD's best of the sweep in "
+                             "docs/convergence.md)")
     parser.add_argument("--optim", choices=("adamw", "sgd"), default="adamw",
                         help="sgd: SGD with momentum 0.9 and the same weight decay split")
     parser.add_argument("--lr-warmup", type=int, default=60)
@@ -175,8 +180,11 @@ def main(argv=None) -> dict:
         extra["warmup_steps"] = args.warmup_steps
     if extra and args.optimizer in ("diloco", "demo"):
         raise SystemExit(f"--optimizer {args.optimizer} takes none of {sorted(extra)}")
-    if args.optimizer == "ssgd":
-        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=named)
+    if args.optimizer in ("ssgd", "ssgd-fp16"):
+        compression = hvd.Compression.fp16 if args.optimizer == "ssgd-fp16" \
+            else hvd.Compression.none
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=named,
+                                             compression=compression)
     elif args.optimizer == "diloco":
         optimizer = hvd_acp.DiLoCoOptimizer(optimizer, named_parameters=named,
                                             inner_steps=args.diloco_h,
@@ -231,8 +239,10 @@ def main(argv=None) -> dict:
     val_loss = float(sums[0] / sums[1])
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     stats = getattr(optimizer, "comm_stats", None)
-    sent = stats.bytes_sent if stats is not None else grad_bytes * args.steps
-    received = stats.bytes_received if stats is not None else grad_bytes * args.steps
+    # Horovod's optimizer counts nothing: one gradient a step, in fp16 if asked.
+    dense = grad_bytes // 2 if args.optimizer == "ssgd-fp16" else grad_bytes
+    sent = stats.bytes_sent if stats is not None else dense * args.steps
+    received = stats.bytes_received if stats is not None else dense * args.steps
     summary = {"optimizer": args.optimizer, "optim": args.optim, "lr": args.lr,
                "matrix_rank": args.matrix_rank, "auto": auto,
                "step_ahead": args.step_ahead, "seed": args.seed, "ranks": hvd.size(),
@@ -241,6 +251,10 @@ def main(argv=None) -> dict:
                "ssgd_bytes_per_step": grad_bytes, "wall_s": wall}
     if args.optimizer in ("diloco", "demo"):
         summary["method_settings"] = dataclasses.asdict(optimizer.settings)
+    elif args.optimizer in ("acp", "powersgd"):
+        summary["settings"] = {key: value if isinstance(value, (int, float, bool, type(None)))
+                               else str(value)
+                               for key, value in optimizer.settings.as_kwargs().items()}
     if hasattr(optimizer, "chosen_ranks"):
         summary["chosen_ranks"] = optimizer.chosen_ranks()
     if hvd.rank() == 0:
