@@ -1,0 +1,481 @@
+"""Transformers trained with AdamW, compared where S-SGD trains best.
+
+    .venv/bin/python scripts/lm_study.py                  # run what is missing, write the doc
+    .venv/bin/python scripts/lm_study.py --report-only    # the doc from bench-results/lm_adam
+
+Four recipes, each a transformer language model trained with AdamW, linear
+warm-up and cosine decay, as its users train it:
+
+- ``examples/train_lm.py`` at 2 and at 4 ranks (``horovodrun``);
+- ``scripts/user_lm.py`` at 4 ranks (``horovodrun``, 400 steps): a GPT
+  written the way such scripts are, with clipping through ``synchronize()``;
+- ``scripts/trainer_lm.py`` at 2 ranks (``torchrun``): GPT-2 from a config,
+  trained by the Hugging Face ``Trainer``, ACP-SGD through ``register_acp``.
+
+First, S-SGD at each learning rate of the recipe's sweep (seed 0), with
+ACP-SGD at its defaults beside it at the same rates; then, at the rate
+where S-SGD's loss is lowest, every method on seeds 0, 1 and 2. The runs
+are interleaved by seed so that a change in the machine's load hits every
+method alike. Each run's ``--summary`` JSON is kept under
+``bench-results/lm_adam/<recipe>/``; the section "lm-adam" of
+docs/convergence.md (tables, figures, commands) and its copy
+``bench-results/lm_adam/results.md`` are built from those files only.
+``--frontier`` adds, on the two 4-rank recipes, S-SGD in fp16, more ranks of
+ACP-SGD, DiLoCo and the DeMo-style method, each at its best rate.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import re
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+from compare import END_MARKER, launch, shell_line  # noqa: E402
+
+RESULTS = REPO / "bench-results" / "lm_adam"
+SECTION = "lm-adam"
+SEEDS = (0, 1, 2)
+SSGD = "S-SGD"
+ACP = "ACP-SGD (defaults)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """One training script at one world size, with its S-SGD learning-rate sweep.
+
+    Attributes:
+        methods: row label -> the flags that select the method (the same
+            script, the same flags otherwise).
+        extra_methods: row label -> flags, run at the best rate on seed 0
+            only: settings shown beside the defaults.
+    """
+
+    key: str
+    title: str
+    script: str
+    np: int
+    launcher: str
+    rates: Tuple[str, ...]
+    methods: Dict[str, Tuple[str, ...]]
+    extra_methods: Dict[str, Tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    args: Tuple[str, ...] = ()
+
+    def command(self, flags: Sequence[str], rate: str, seed: int, summary: Path) -> List[str]:
+        python = str(Path(sys.executable).relative_to(REPO)) \
+            if Path(sys.executable).is_relative_to(REPO) else sys.executable
+        train = [self.script, *flags, *self.args, "--lr", rate, "--seed", str(seed),
+                 "--summary", str(summary.relative_to(REPO))]
+        if self.launcher == "torchrun":
+            return [str(Path(python).with_name("torchrun")), "--nproc-per-node", str(self.np),
+                    *train]
+        return [str(Path(python).with_name("horovodrun")), "-np", str(self.np), "-H",
+                f"localhost:{self.np}", "--gloo", python, *train]
+
+
+def horovod_methods(**extra) -> Dict[str, Tuple[str, ...]]:
+    return {SSGD: ("--optimizer", "ssgd"), ACP: ("--optimizer", "acp"),
+            "Power-SGD (defaults: ACP-SGD's bytes)": ("--optimizer", "powersgd"), **extra}
+
+
+#: The settings that were the advice before the defaults depended on the optimizer.
+EARLIER = {"ACP-SGD, rank 4 (the SGD default)": ("--optimizer", "acp", "--matrix-rank", "4"),
+           "ACP-SGD, rank 32": ("--optimizer", "acp", "--matrix-rank", "32")}
+
+RECIPES = (
+    Recipe("train_lm_np2", "examples/train_lm.py, 2 ranks (1,000 steps)",
+           "examples/train_lm.py", 2, "horovodrun", ("1e-3", "2e-3", "4e-3", "8e-3"),
+           horovod_methods(), EARLIER, ("--no-progress",)),
+    Recipe("train_lm_np4", "examples/train_lm.py, 4 ranks (1,000 steps)",
+           "examples/train_lm.py", 4, "horovodrun", ("1e-3", "2e-3", "4e-3"),
+           horovod_methods(), EARLIER, ("--no-progress",)),
+    Recipe("user_lm_np4", "scripts/user_lm.py, 4 ranks (400 steps)",
+           "scripts/user_lm.py", 4, "horovodrun", ("3e-3", "6e-3", "1e-2", "1.5e-2"),
+           horovod_methods(), EARLIER, ("--steps", "400")),
+    Recipe("trainer_lm_np2", "scripts/trainer_lm.py: the Trainer's GPT-2, 2 ranks (300 steps)",
+           "scripts/trainer_lm.py", 2, "torchrun", ("1e-3", "2e-3", "4e-3", "8e-3"),
+           {SSGD: ("--method", "ddp"), ACP: ("--method", "acp")},
+           {"ACP-SGD, rank 4 (the SGD default)": ("--method", "acp", "--matrix-rank", "4")}),
+)
+
+
+#: The frontier (every method a transformer user weighs) on the two 4-rank
+#: recipes: (label, flags, swept). A swept method runs at the swept rates
+#: around S-SGD's best (seed 0) and on seeds 1, 2 at its own best; the others
+#: at S-SGD's best.
+FRONTIER_RECIPES = ("train_lm_np4", "user_lm_np4")
+FRONTIER = (
+    ("S-SGD (fp16)", ("--optimizer", "ssgd-fp16"), False),
+    *((label, flags, False) for label, flags in EARLIER.items()),
+    ("ACP-SGD, share 0.25", ("--optimizer", "acp", "--matrix-rank", "0.25"), False),
+    ("DiLoCo, H 10", ("--optimizer", "diloco", "--diloco-h", "10"), True),
+    ("DiLoCo, H 50", ("--optimizer", "diloco", "--diloco-h", "50"), True),
+    ("DeMo-style, k 1", ("--optimizer", "demo", "--demo-k", "1"), True),
+    ("DeMo-style, k 8", ("--optimizer", "demo", "--demo-k", "8"), True),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    recipe: Recipe
+    label: str
+    rate: str
+    seed: int
+
+    @property
+    def flags(self) -> Tuple[str, ...]:
+        known = {**self.recipe.methods, **self.recipe.extra_methods,
+                 **{label: flags for label, flags, _ in FRONTIER}}
+        return known[self.label]
+
+    @property
+    def summary(self) -> Path:
+        slug = re.sub(r"[^a-z0-9]+", "_", self.label.lower()).strip("_")
+        return RESULTS / self.recipe.key / f"{slug}_lr{self.rate}_s{self.seed}.json"
+
+    def command(self) -> List[str]:
+        return self.recipe.command(self.flags, self.rate, self.seed, self.summary)
+
+
+def read(path: Path) -> Optional[dict]:
+    """(val_loss, bytes per step, S-SGD's bytes per step) of a summary, any script's format."""
+    if not path.exists():
+        return None
+    summary = json.loads(path.read_text(encoding="utf-8"))
+    if "bytes_per_step" in summary:
+        sent, dense = summary["bytes_per_step"], summary["ssgd_bytes_per_step"]
+    else:
+        sent = summary["bytes_sent_per_rank"] / summary["steps"]
+        dense = summary["ssgd_bytes_per_rank"] / summary["steps"]
+    return {"loss": summary["val_loss"], "bytes": sent, "dense": dense,
+            "wall_s": summary.get("wall_s")}
+
+
+def sweep_runs(recipe: Recipe) -> List[Run]:
+    return [Run(recipe, label, rate, 0) for rate in recipe.rates for label in (SSGD, ACP)]
+
+
+def best_rate(recipe: Recipe) -> Optional[str]:
+    """The swept rate of S-SGD's lowest seed-0 loss (None until the sweep is complete)."""
+    losses = {run.rate: read(run.summary) for run in sweep_runs(recipe) if run.label == SSGD}
+    if any(value is None or not math.isfinite(value["loss"]) for value in losses.values()):
+        return None
+    return min(losses, key=lambda rate: losses[rate]["loss"])
+
+
+def method_runs(recipe: Recipe, rate: str) -> List[Run]:
+    runs = [Run(recipe, label, rate, seed) for seed in SEEDS for label in recipe.methods]
+    return runs + [Run(recipe, label, rate, 0) for label in recipe.extra_methods]
+
+
+def around(recipe: Recipe, rate: str) -> Tuple[str, ...]:
+    """``rate`` and its neighbours in the recipe's sweep."""
+    index = recipe.rates.index(rate)
+    return recipe.rates[max(0, index - 1):index + 2]
+
+
+def own_best(recipe: Recipe, label: str, rates: Sequence[str]) -> Optional[str]:
+    """The rate of ``label``'s lowest seed-0 loss among ``rates`` (None until all ran)."""
+    found = {rate: read(Run(recipe, label, rate, 0).summary) for rate in rates}
+    if any(value is None for value in found.values()):
+        return None
+    finite = {rate: v["loss"] for rate, v in found.items() if math.isfinite(v["loss"])}
+    return min(finite, key=finite.get) if finite else rates[0]
+
+
+def frontier_runs(recipe: Recipe, best: str, stage: int) -> List[Run]:
+    """Stage 0: seed 0 of every setting (swept ones at each rate around S-SGD's
+    best); stage 1: seeds 1 and 2 at each setting's best rate."""
+    runs = []
+    for label, _, swept in FRONTIER:
+        rates = around(recipe, best) if swept else (best,)
+        if stage == 0:
+            runs += [Run(recipe, label, rate, 0) for rate in rates]
+        else:
+            rate = own_best(recipe, label, rates)
+            if rate is not None:
+                runs += [Run(recipe, label, rate, seed) for seed in SEEDS[1:]]
+    return runs
+
+
+def run_missing(runs: Sequence[Run], timeout: float) -> None:
+    for run in runs:
+        if run.summary.exists():
+            continue
+        run.summary.parent.mkdir(parents=True, exist_ok=True)
+        cmd = run.command()
+        print(f"[lm_study] {shell_line(cmd)}", flush=True)
+        started = time.perf_counter()
+        rc = launch(cmd, run.summary.with_suffix(".log"), timeout)
+        status = "ok" if rc == 0 and run.summary.exists() else f"FAILED (exit {rc})"
+        print(f"[lm_study]   {status} in {time.perf_counter() - started:.0f} s", flush=True)
+        if status == "ok":
+            run.summary.with_suffix(".log").unlink()
+
+
+# ------------------------------------------------------------------- report
+def _gap(loss: float, reference: float) -> float:
+    return 100.0 * (loss / reference - 1.0)
+
+
+def sweep_table(recipe: Recipe) -> List[str]:
+    out = ["| peak learning rate | S-SGD | ACP-SGD (defaults) | gap |", "|---|---|---|---|"]
+    best = best_rate(recipe)
+    for rate in recipe.rates:
+        ssgd = read(Run(recipe, SSGD, rate, 0).summary)
+        acp = read(Run(recipe, ACP, rate, 0).summary)
+        cell = lambda r: "–" if r is None else f"{r['loss']:.4f}"  # noqa: E731
+        gap = f"{_gap(acp['loss'], ssgd['loss']):+.2f}%" if ssgd and acp else "–"
+        mark = " (S-SGD's best)" if rate == best else ""
+        out.append(f"| {rate}{mark} | {cell(ssgd)} | {cell(acp)} | {gap} |")
+    return out
+
+
+def method_rows(recipe: Recipe, rate: str) -> List[dict]:
+    """Per method at ``rate``: losses by seed, paired gaps to S-SGD, bytes."""
+    ssgd = {seed: read(Run(recipe, SSGD, rate, seed).summary) for seed in SEEDS}
+    rows = []
+    for label in (*recipe.methods, *recipe.extra_methods):
+        seeds = SEEDS if label in recipe.methods else (0,)
+        found = {seed: read(Run(recipe, label, rate, seed).summary) for seed in seeds}
+        found = {seed: value for seed, value in found.items() if value is not None}
+        if not found:
+            continue
+        gaps = [_gap(value["loss"], ssgd[seed]["loss"]) for seed, value in found.items()
+                if ssgd.get(seed)]
+        first = next(iter(found.values()))
+        rows.append({"label": label, "seeds": sorted(found),
+                     "losses": [found[s]["loss"] for s in sorted(found)],
+                     "gaps": gaps, "bytes": first["bytes"], "dense": first["dense"]})
+    return rows
+
+
+def methods_table(recipe: Recipe, rate: str) -> List[str]:
+    out = ["| method | seeds | final validation loss per seed | mean | vs S-SGD per seed | "
+           "mean vs S-SGD | bytes per step per rank | share of S-SGD's |",
+           "|---|---|---|---|---|---|---|---|"]
+    for row in method_rows(recipe, rate):
+        mean_gap = f"**{statistics.fmean(row['gaps']):+.2f}%**" if row["gaps"] else "–"
+        out.append(
+            f"| {row['label']} | {', '.join(map(str, row['seeds']))} | "
+            f"{', '.join(f'{x:.4f}' for x in row['losses'])} | "
+            f"{statistics.fmean(row['losses']):.4f} | "
+            f"{', '.join(f'{g:+.2f}%' for g in row['gaps'])} | {mean_gap} | "
+            f"{row['bytes'] / 1e3:,.1f} kB | {row['bytes'] / row['dense']:.3f} |")
+    return out
+
+
+def figure(path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for recipe in RECIPES:
+        rates, gaps = [], []
+        for rate in recipe.rates:
+            ssgd, acp = (read(Run(recipe, label, rate, 0).summary) for label in (SSGD, ACP))
+            if ssgd and acp:
+                rates.append(float(rate))
+                gaps.append(_gap(acp["loss"], ssgd["loss"]))
+        if rates:
+            axes[0].plot(rates, gaps, marker="o", label=recipe.title.split(":")[0])
+        best = best_rate(recipe)
+        if best is None:
+            continue
+        for row in method_rows(recipe, best):
+            if row["gaps"]:
+                axes[1].scatter(row["bytes"] / row["dense"], statistics.fmean(row["gaps"]),
+                                marker={SSGD: "s", ACP: "o"}.get(row["label"], "^"),
+                                color=f"C{RECIPES.index(recipe)}")
+    axes[0].axhline(0, color="grey", lw=0.8)
+    axes[0].axhline(1, color="grey", lw=0.8, ls="--")
+    axes[0].set_xscale("log")
+    axes[0].set_xlabel("peak learning rate (per rank)")
+    axes[0].set_ylabel("ACP-SGD (defaults) vs S-SGD, seed 0 (%)")
+    axes[0].set_title("the gap across the S-SGD sweep")
+    axes[0].legend(fontsize=7)
+    axes[1].axhline(0, color="grey", lw=0.8)
+    axes[1].axhline(1, color="grey", lw=0.8, ls="--")
+    axes[1].set_xscale("log")
+    axes[1].set_xlabel("bytes per step, share of S-SGD's")
+    axes[1].set_ylabel("mean vs S-SGD over the seeds run (%)")
+    axes[1].set_title("at S-SGD's best rate (square S-SGD, circle ACP defaults)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def frontier_rows(recipe: Recipe, best: str) -> List[dict]:
+    """Every setting of the frontier at its own best rate, with the methods of
+    the main table: mean loss, paired gap to S-SGD, bytes sent and received."""
+    ssgd = {seed: read(Run(recipe, SSGD, best, seed).summary) for seed in SEEDS}
+    settings = [(label, (best,)) for label in recipe.methods]
+    settings += [(label, around(recipe, best) if swept else (best,))
+                 for label, _, swept in FRONTIER]
+    rows = []
+    for label, rates in settings:
+        rate = own_best(recipe, label, rates) if len(rates) > 1 else rates[0]
+        if rate is None:
+            continue
+        found = {seed: read(Run(recipe, label, rate, seed).summary) for seed in SEEDS}
+        found = {seed: value for seed, value in found.items() if value is not None}
+        if not found:
+            continue
+        summaries = [json.loads(Run(recipe, label, rate, seed).summary.read_text())
+                     for seed in found]
+        received = [x.get("bytes_received_per_step",
+                          x.get("bytes_received_per_rank", 0) / max(x.get("steps", 1), 1))
+                    for x in summaries]
+        rows.append({"label": label, "rate": rate, "seeds": sorted(found),
+                     "loss": statistics.fmean(v["loss"] for v in found.values()),
+                     "gaps": [_gap(v["loss"], ssgd[seed]["loss"]) for seed, v in found.items()
+                              if ssgd.get(seed)],
+                     "sent": statistics.fmean(v["bytes"] for v in found.values()) / next(
+                         iter(found.values()))["dense"],
+                     "received": (statistics.fmean(received) / next(iter(found.values()))["dense"]
+                                  if all(received) else None)})
+    return rows
+
+
+def frontier_report() -> List[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    recipes = [r for r in RECIPES if r.key in FRONTIER_RECIPES and best_rate(r)]
+    if not recipes:
+        return []
+    img = REPO / "docs" / "img" / "convergence_lm_frontier.png"
+    fig, axes = plt.subplots(1, len(recipes), figsize=(6 * len(recipes), 4.5), squeeze=False)
+    out = ["## The transformer frontier: bytes against final loss", "",
+           "Every method a transformer user weighs, on the two 4-rank recipes above, each "
+           "at its best learning rate: the rates around S-SGD's best for DiLoCo and the "
+           "DeMo-style method (seed 0, then seeds 1 and 2 at the best of them), S-SGD's "
+           "best for the compressors (whose gap the sweep above shows flat around it). "
+           "Bytes are per step and rank as shares of S-SGD's fp32 gradient; the DeMo-style "
+           "method's all-gather receives more than it sends.", "",
+           f"![Bytes against final loss](img/{img.name})", ""]
+    for axis, recipe in zip(axes[0], recipes):
+        best = best_rate(recipe)
+        rows = frontier_rows(recipe, best)
+        out += [f"**{recipe.title}** (S-SGD's best rate {best})", "",
+                "| method | rate | seeds | mean final loss | mean vs S-SGD | sent, share of "
+                "S-SGD's | received |", "|---|---|---|---|---|---|---|"]
+        for row in rows:
+            gap = f"{statistics.fmean(row['gaps']):+.2f}%" if row["gaps"] else "–"
+            received = "–" if row["received"] is None else f"{row['received']:.3f}"
+            out.append(f"| {row['label']} | {row['rate']} | "
+                       f"{', '.join(map(str, row['seeds']))} | {row['loss']:.4f} | {gap} | "
+                       f"{row['sent']:.3f} | {received} |")
+            axis.scatter(row["sent"], row["loss"], s=30)
+            axis.annotate(row["label"], (row["sent"], row["loss"]), fontsize=6,
+                          xytext=(3, 3), textcoords="offset points")
+        out.append("")
+        axis.set_xscale("log")
+        axis.set_xlabel("bytes sent per step, share of S-SGD's fp32 gradient")
+        axis.set_ylabel("final validation loss (mean of the seeds run)")
+        axis.set_title(recipe.title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(img, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def host_line() -> str:
+    import os
+    import platform
+
+    import horovod
+    import torch
+    return (f"Ranks on localhost, one thread each, {os.cpu_count()} CPU cores "
+            f"({platform.machine()}), Python {platform.python_version()}, torch "
+            f"{torch.__version__}, Horovod {horovod.__version__}.")
+
+
+def replace_section(doc: Path, name: str, text: str) -> None:
+    """Put ``text`` between the markers of section ``name`` of ``doc``, where
+    they are, or at the end (after scripts/compare.py's generated part, which
+    compare.py keeps as written)."""
+    old = doc.read_text(encoding="utf-8")
+    block = f"<!-- section: {name} -->\n{text}<!-- end section: {name} -->\n"
+    pattern = re.compile(rf"<!-- section: {re.escape(name)} -->\n.*?"
+                         rf"<!-- end section: {re.escape(name)} -->\n", re.S)
+    if pattern.search(old):
+        new = pattern.sub(lambda _: block, old, count=1)
+    else:
+        if END_MARKER not in old:
+            old += f"\n{END_MARKER}\n"
+        new = old.rstrip("\n") + "\n\n" + block
+    doc.write_text(new, encoding="utf-8")
+
+
+def report() -> str:
+    img = REPO / "docs" / "img" / "convergence_lm_adam.png"
+    figure(img)
+    out = ["## Transformers trained with AdamW, at S-SGD's best learning rate", "",
+           f"Generated by `scripts/lm_study.py` from `bench-results/lm_adam/`. {host_line()}",
+           "", f"![The LM recipes with AdamW](img/{img.name})", ""]
+    commands = []
+    for recipe in RECIPES:
+        best = best_rate(recipe)
+        out += [f"**{recipe.title}**: S-SGD's sweep (seed 0)", "", *sweep_table(recipe), ""]
+        runs = sweep_runs(recipe)
+        if best is not None:
+            out += [f"At {best}, S-SGD's best rate:", "", *methods_table(recipe, best), ""]
+            runs += method_runs(recipe, best)
+        if best is not None and recipe.key in FRONTIER_RECIPES:
+            runs += frontier_runs(recipe, best, 0) + frontier_runs(recipe, best, 1)
+        commands += [shell_line(run.command()) for run in runs if run.summary.exists()]
+    out += frontier_report()
+    out += ["<details><summary>Exact commands of these runs</summary>", "", "```sh",
+            *commands, "```", "</details>", ""]
+    return "\n".join(out)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--frontier", action="store_true",
+                        help="also run the frontier (DiLoCo, DeMo, S-SGD fp16, more ranks) on "
+                             "the 4-rank recipes")
+    parser.add_argument("--recipes", nargs="+", default=[r.key for r in RECIPES],
+                        choices=[r.key for r in RECIPES])
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+    parser.add_argument("--doc", type=Path, default=REPO / "docs" / "convergence.md")
+    args = parser.parse_args(argv)
+    chosen = [r for r in RECIPES if r.key in args.recipes]
+    if not args.report_only:
+        for recipe in chosen:
+            run_missing(sweep_runs(recipe), args.timeout)
+        for recipe in chosen:
+            best = best_rate(recipe)
+            if best is None:
+                print(f"[lm_study] {recipe.key}: the sweep is incomplete", flush=True)
+                continue
+            runs = sorted(method_runs(recipe, best), key=lambda run: run.seed)
+            run_missing(runs, args.timeout)
+        if args.frontier:
+            for stage in (0, 1):
+                for recipe in chosen:
+                    best = best_rate(recipe)
+                    if recipe.key in FRONTIER_RECIPES and best is not None:
+                        run_missing(frontier_runs(recipe, best, stage), args.timeout)
+    text = report()
+    replace_section(args.doc, SECTION, text)
+    # The same tables beside the runs, for pages that quote them (README).
+    (RESULTS / "results.md").write_text(
+        "# " + text.split("\n", 1)[0].lstrip("# ") + "\n" + text.split("\n", 1)[1]
+        .replace("](img/", "](../../docs/img/"), encoding="utf-8")
+    print(f"[lm_study] wrote the section {SECTION} of {args.doc}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
