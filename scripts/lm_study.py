@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from compare import END_MARKER, launch, shell_line  # noqa: E402
 
 RESULTS = REPO / "bench-results" / "lm_adam"
+DOC = REPO / "docs" / "convergence.md"
 SECTION = "lm-adam"
 SEEDS = (0, 1, 2)
 SSGD = "S-SGD"
@@ -389,6 +390,48 @@ def frontier_report() -> List[str]:
     return out
 
 
+#: The generated part of README.md (and docs/guide.md): the defaults on each recipe.
+SUMMARY_MARKERS = ("<!-- lm:summary -->", "<!-- end lm:summary -->")
+PSGD = "Power-SGD (defaults: ACP-SGD's bytes)"
+
+
+def summary_table() -> List[str]:
+    """Per recipe at S-SGD's best rate: ACP-SGD's defaults and Power-SGD at the
+    same bytes against S-SGD (mean of the seeds run), citing results.md."""
+    out = ["| recipe (AdamW) | S-SGD's best rate | ACP-SGD defaults vs S-SGD | "
+           "Power-SGD, same bytes | bytes sent, share of S-SGD's | seeds |",
+           "|---|---|---|---|---|---|"]
+    for recipe in RECIPES:
+        best = best_rate(recipe)
+        if best is None:
+            continue
+        rows = {row["label"]: row for row in method_rows(recipe, best)}
+        acp, psgd = rows.get(ACP), rows.get(PSGD)
+        if acp is None or not acp["gaps"]:
+            continue
+        cell = lambda row: "–" if row is None or not row["gaps"] else \
+            f"{statistics.fmean(row['gaps']):+.2f}%"  # noqa: E731
+        out.append(f"| {recipe.title} ([runs](bench-results/lm_adam/results.md)) | {best} | "
+                   f"{cell(acp)} | {cell(psgd)} | {acp['bytes'] / acp['dense']:.3f} | "
+                   f"{len(acp['gaps'])} |")
+    return out
+
+
+def write_summary(page: Path, prefix: str = "") -> None:
+    """The summary table between :data:`SUMMARY_MARKERS` of ``page`` (links
+    made relative to it with ``prefix``)."""
+    start, end = SUMMARY_MARKERS
+    text = page.read_text(encoding="utf-8")
+    if start not in text:
+        return
+    lines = [line.replace("](bench-results/", f"]({prefix}bench-results/")
+             for line in summary_table()]
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    page.write_text(head + start + "\n" + "\n".join(lines) + "\n" + end + tail,
+                    encoding="utf-8")
+
+
 def host_line() -> str:
     import os
     import platform
@@ -449,7 +492,9 @@ def main(argv=None) -> None:
     parser.add_argument("--recipes", nargs="+", default=[r.key for r in RECIPES],
                         choices=[r.key for r in RECIPES])
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
-    parser.add_argument("--doc", type=Path, default=REPO / "docs" / "convergence.md")
+    parser.add_argument("--doc", type=Path, default=DOC,
+                        help="the page of the section; README.md, docs/guide.md and "
+                             "bench-results/lm_adam/results.md are written only with the default")
     args = parser.parse_args(argv)
     chosen = [r for r in RECIPES if r.key in args.recipes]
     if not args.report_only:
@@ -470,10 +515,13 @@ def main(argv=None) -> None:
                         run_missing(frontier_runs(recipe, best, stage), args.timeout)
     text = report()
     replace_section(args.doc, SECTION, text)
-    # The same tables beside the runs, for pages that quote them (README).
-    (RESULTS / "results.md").write_text(
-        "# " + text.split("\n", 1)[0].lstrip("# ") + "\n" + text.split("\n", 1)[1]
-        .replace("](img/", "](../../docs/img/"), encoding="utf-8")
+    if args.doc == DOC:
+        # The same tables beside the runs, and the summary of the pages that quote them.
+        (RESULTS / "results.md").write_text(
+            "# " + text.split("\n", 1)[0].lstrip("# ") + "\n" + text.split("\n", 1)[1]
+            .replace("](img/", "](../../docs/img/"), encoding="utf-8")
+        write_summary(REPO / "README.md")
+        write_summary(REPO / "docs" / "guide.md", prefix="../")
     print(f"[lm_study] wrote the section {SECTION} of {args.doc}", flush=True)
 
 
