@@ -278,6 +278,105 @@ def test_acp_ddp_one_allreduce_per_bucket_overlapping_backward():
                                          ["powersgd-ddp"])["powersgd-ddp"].step_s
 
 
+def test_the_completing_factors_residual_comes_after_the_launch():
+    """Only the residual of the buffer's last member to arrive waits for the
+    launch (hvd_acp.reducer: defer=rnd.completes(b)); the others are
+    computed right after their projection."""
+    def prof(residual):
+        params = [{"name": name, "bytes": 1e6, "ready_s": ready, "compressed": True,
+                   "acp_p_s": 0.1, "acp_q_s": 0.1, "acp_p_residual_s": residual,
+                   "acp_q_residual_s": residual, "reconstruct_s": 0.05}
+                  for name, ready in (("first", 2.0), ("last", 1.0))]
+        one = [{"bytes": 1e6, "members": ["last", "first"]}]
+        return synthetic(params, buckets={"acp_p": one, "acp_q": one, "psgd_p": one,
+                                          "psgd_q": []})
+    settings = Settings(np=2, network=net(), cycle_time_s=0.0)
+    # "first" (its gradient last of backward) completes the buffer at
+    # 1 + 2 + 0.1 + 0.1 = 3.2, launched before its residual (0.04): 3.16 -> 4.16
+    # on the wire, two reconstructions 0.1, the update 0.5. Deferring both
+    # residuals would give 4.72, deferring none 4.80.
+    assert predict_methods(prof(0.04), settings, ["acp"])["acp"].step_s == pytest.approx(4.76)
+    assert predict_methods(prof(0.0), settings, ["acp"])["acp"].step_s == pytest.approx(4.80)
+
+
+def test_the_ddp_hook_launches_before_its_last_compressed_residual():
+    params = [{"name": name, "bytes": 4e6, "ready_s": ready, "ddp_compressed": True,
+               "compressed": True, "acp_p_s": 0.1, "acp_q_s": 0.1, "acp_p_residual_s": 0.04,
+               "acp_q_residual_s": 0.04, "reconstruct_s": 0.05,
+               "ddp_p_bytes": 5e5, "ddp_q_bytes": 5e5}
+              for name, ready in (("a", 0.5), ("b", 1.0))]
+    prof = synthetic(params, backward=1.0, optimizer=0.0, ddp=[["a", "b"]])
+    pred = predict_methods(prof, Settings(np=2, network=net()), ["acp-ddp"])["acp-ddp"]
+    # The bucket is ready at 2.0; the hook compresses both (0.2) and launches
+    # before b's residual: 2.16 -> 3.16 on the wire, rebuilt 3.26 (both phases).
+    assert pred.step_s == pytest.approx(3.26)
+
+
+def test_a_buffer_half_full_goes_before_a_tensor_that_fills_one_alone():
+    """The fusion rule of hvd_acp.fusion.plan_buckets, seen by the timeline
+    through a profile's plans redone from its shapes (current_plans)."""
+    from hvd_acp.plan.replan import current_plans
+    params = [{"name": name, "shape": [numel], "dtype": "float32", "numel": numel,
+               "bytes": 4 * numel, "ready_s": ready, "n": numel, "m": 1, "r": 0}
+              for name, numel, ready in (("big", 250, 2.0), ("b", 100, 1.0), ("a", 100, 0.5))]
+    merged = [{"bytes": 1800, "members": ["a", "b", "big"]}]
+    old = synthetic(params, buckets={"acp_p": merged, "acp_q": merged, "psgd_p": merged,
+                                     "psgd_q": []})
+    old["fusion_threshold_bytes"] = 1000
+    new = current_plans(old)
+    assert [b["members"] for b in new["buckets"]["acp_p"]] == [["a", "b"], ["big"]]
+    assert old["buckets"]["acp_p"] == merged            # the profile read is left alone
+    settings = Settings(np=2, network=net(1000.0), cycle_time_s=0.0)
+    # a and b (800 B) leave at 2.0 and arrive at 2.8, under backward; big's
+    # 1000 B go at 3.0 and arrive at 4.0; then the update. One buffer: 4.8 + 0.5.
+    assert predict_methods(new, settings, ["acp"])["acp"].step_s == pytest.approx(4.5)
+    assert predict_methods(old, settings, ["acp"])["acp"].step_s == pytest.approx(5.3)
+
+
+def test_ddp_buckets_are_the_ones_ddp_hands_the_hook():
+    """DDP rebuilds its buckets in the order the gradients arrived; a model
+    whose layers are registered in another order than they run shows it."""
+    import torch.distributed as dist
+    from hvd_acp.plan import profile_model
+
+    class Shuffled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.late = nn.Linear(512, 1024)      # registered first, runs second
+            self.early = nn.Linear(256, 512)
+            self.head = nn.Linear(1024, 300)
+
+        def forward(self, x):
+            return self.head(torch.relu(self.late(torch.relu(self.early(x)))))
+
+    torch.manual_seed(0)
+    model = Shuffled()
+    batch = (torch.randn(8, 256), torch.randint(0, 300, (8,)))
+    prof = profile_model(model, batch, _tiny_loss, matrix_rank=4, steps=1, repeats=1)
+    names = {p: n for n, p in model.named_parameters()}
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = nn.parallel.DistributedDataParallel(model)
+        seen = {}
+
+        def hook(_state, bucket):
+            seen[bucket.index()] = [names[p] for p in bucket.parameters()]
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+        ddp.register_comm_hook(None, hook)
+        for _ in range(3):
+            seen.clear()
+            _tiny_loss(ddp, batch).backward()
+    finally:
+        dist.destroy_process_group()
+    assert [seen[i] for i in sorted(seen)] == prof["ddp_buckets"]
+    # The order of registration would put early's tensors first in the second bucket.
+    assert prof["ddp_buckets"][1][:2] == ["late.bias", "late.weight"]
+
+
 def test_settings_reject_bad_values():
     with pytest.raises(ValueError, match="np must be a positive int"):
         Settings(np=0, network=net())
@@ -317,6 +416,10 @@ def test_profile_model_fields_and_plans():
     assert by["last.weight"]["ready_s"] < by["first.weight"]["ready_s"] <= prof["backward_s"]
     assert by["first.weight"]["compressed"] and not by["first.bias"]["compressed"]
     assert by["first.weight"]["acp_p_s"] > 0 and by["first.weight"]["reconstruct_s"] > 0
+    assert by["first.weight"]["acp_p_residual_s"] > 0 and by["first.weight"]["acp_q_residual_s"] > 0
+    assert "acp_p_residual_s" not in by["first.bias"]
+    assert prof["ready_order"][:2] == ["last.bias", "last.weight"]
+    assert set(prof["ready_order"]) == set(by)
     layouts = make_layouts([(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()],
                            2, 2.0)
     expected = plan_buckets(layouts, Phase.Q, prof["fusion_threshold_bytes"])

@@ -119,10 +119,13 @@ def _fail(message: str) -> int:
 
 
 def _read_profile(path: Path) -> dict:
+    """A profile from a file, with today's fusion plans and DDP buckets
+    (:func:`.replan.current_plans`)."""
     from .profile_format import check_profile, read_json
+    from .replan import current_plans
     profile = read_json(path, "profile")
     check_profile(profile, str(path))
-    return profile
+    return current_plans(profile)
 
 
 def _read_link(path: Optional[Path]) -> Optional[dict]:

@@ -9,13 +9,18 @@ Measured in one process, no communication:
 - per compressed parameter, the per-parameter step every front end runs
   (:class:`hvd_acp.state.CompressedTensor`) timed on a tensor of its shape
   and dtype: ACP-SGD's P and Q step (``acp_p_s``, ``acp_q_s``: error
-  feedback, projection, local residual), Power-SGD's two projections
-  (``psgd_p_s``, ``psgd_q_s``) and the reconstruction (``reconstruct_s``),
+  feedback, projection, local residual), the residual's own share of each
+  (``acp_p_residual_s``, ``acp_q_residual_s``: the part the front ends
+  leave until the buffer it completes is launched), Power-SGD's two
+  projections (``psgd_p_s``, ``psgd_q_s``) and the reconstruction
+  (``reconstruct_s``),
   and ACP-SGD's step-ahead shift and restore of the parameter
   (``step_ahead_s``, :mod:`hvd_acp.stepahead`); the batched
   orthonormalizations of each step;
-- the fused buffers each method sends, from :func:`hvd_acp.fusion.plan_buckets`
-  (the optimizer's own plan) and DDP's buckets for the DDP hook;
+- ``ready_order``: the order the gradients arrived in the last timed step;
+- the fused buffers each method sends (:mod:`.replan`): hvd_acp's from
+  :func:`hvd_acp.fusion.plan_buckets` (the optimizer's own plan), and DDP's
+  buckets for the DDP hook in the order the gradients arrived;
 - ``host_s_per_byte``: a fused all-reduce's own work per byte on this device
   (copy into the fusion buffer, add a peer's chunk, copy out).
 
@@ -34,19 +39,18 @@ from torch import Tensor, nn
 
 from ..autorank import parse_matrix_rank
 from ..compression import Phase, compute_dtype, orthonormalize_
-from ..fusion import DEFAULT_FUSION_THRESHOLD_BYTES, make_layouts, plan_buckets
+from ..fusion import DEFAULT_FUSION_THRESHOLD_BYTES, make_layouts
 from ..settings import Settings
 from ..state import CompressedTensor, CompressionState
 from .models import to_device
+from .replan import bucket_plans, ddp_buckets
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["profile_model", "profile_builtin", "PROFILE_FORMAT", "DEFAULT_FUSION_THRESHOLD_BYTES"]
+__all__ = ["profile_model", "profile_builtin", "time_training_steps", "PROFILE_FORMAT",
+           "DEFAULT_FUSION_THRESHOLD_BYTES"]
 
 PROFILE_FORMAT = 1
-#: DDP's defaults: the first bucket 1 MiB, the others bucket_cap_mb=25.
-DDP_FIRST_BUCKET_BYTES = 1024 * 1024
-DDP_BUCKET_BYTES = 25 * 1024 * 1024
 
 
 def _sync(device: torch.device) -> None:
@@ -70,39 +74,6 @@ def _timed(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
 def _ddp_should_compress(n: int, m: int, r: int, rate: float) -> bool:
     # powerSGD_hook's rule: strictly smaller (hvd_acp's should_compress allows equality).
     return (n + m) * r * rate < n * m
-
-
-def ddp_buckets(named: Sequence[tuple], first_bytes: int = DDP_FIRST_BUCKET_BYTES,
-                cap_bytes: int = DDP_BUCKET_BYTES) -> List[List[str]]:
-    """DDP's gradient buckets, in the order backward fills them.
-
-    After its first iteration DDP rebuilds its buckets in the order the
-    gradients arrived, the first one capped at 1 MiB and the others at
-    ``bucket_cap_mb``; those are the buckets of every timed step. They are
-    computed here with torch's own assignment
-    (``dist._compute_bucket_assignment_by_size``) over the parameters in
-    backward order (reverse registration order).
-
-    Args:
-        named: (name, parameter) pairs in registration order.
-    """
-    backward = list(reversed(list(named)))
-    try:
-        import torch.distributed as dist
-        indices, _ = dist._compute_bucket_assignment_by_size(
-            [p for _, p in backward], [first_bytes, cap_bytes], [False] * len(backward))
-        return [[backward[i][0] for i in bucket] for bucket in indices]
-    except (ImportError, AttributeError, RuntimeError, TypeError):  # pragma: no cover
-        buckets, current, size, cap = [], [], 0, first_bytes
-        for name, p in backward:
-            current.append(name)
-            size += p.numel() * p.element_size()
-            if size >= cap:
-                buckets.append(current)
-                current, size, cap = [], 0, cap_bytes
-        if current:
-            buckets.append(current)
-        return buckets
 
 
 def _host_s_per_byte(device: torch.device, repeats: int, nbytes: int = 16 * 1024 * 1024) -> float:
@@ -154,12 +125,67 @@ def _time_compression(tensor: CompressedTensor, device: torch.device, repeats: i
         "reconstruct_s": lambda: tensor.reconstruct_(Phase.Q, out_q, ph, target),
         "step_ahead_s": step_ahead,
     }
-    return {key: _timed(fn, device, repeats) for key, fn in steps.items()}
+    times = {key: _timed(fn, device, repeats) for key, fn in steps.items()}
+    # The residual alone, as the front ends compute it after launching the
+    # buffer its slot completes (each call subtracts it again: same cost).
+    for phase, basis, out, key in ((Phase.P, qh, out_p, "acp_p_residual_s"),
+                                   (Phase.Q, ph, out_q, "acp_q_residual_s")):
+        owed = tensor.compress_(phase, grad, basis, out, defer=True)
+        times[key] = _timed(owed.finish_, device, repeats)
+    return times
 
 
-def _bucket_dicts(buckets) -> List[dict]:
-    return [{"bytes": b.nbytes, "members": [s.name for s in b.slots], "name": b.name}
-            for b in buckets]
+def time_training_steps(model: nn.Module, batch, loss_fn: Callable,
+                        optimizer: torch.optim.Optimizer, device: torch.device, steps: int,
+                        warmup: int, named: Optional[Sequence[tuple]] = None) -> dict:
+    """Time ``warmup + steps`` training steps (the last ``steps`` of them).
+
+    Returns ``forward_s``, ``backward_s`` and ``optimizer_s`` (a list each,
+    seconds per timed step); with ``named`` ((name, parameter) pairs) also
+    ``ready`` (name -> seconds into backward its gradient was accumulated,
+    per timed step; on CUDA the hook synchronizes first) and ``order`` (the
+    names in the order their gradients arrived in the last timed step).
+    """
+    named = list(named or ())
+    ready: Dict[str, List[float]] = {n: [] for n, _ in named}
+    clock = {"t": 0.0, "on": False, "order": []}
+
+    def make_hook(name):
+        def hook(_param):
+            if clock["on"]:
+                _sync(device)
+                ready[name].append(time.perf_counter() - clock["t"])
+                clock["order"].append(name)
+        return hook
+    handles = [p.register_post_accumulate_grad_hook(make_hook(n)) for n, p in named]
+    forward, backward, update, order = [], [], [], []
+    try:
+        for step in range(warmup + steps):
+            timed = step >= warmup
+            optimizer.zero_grad(set_to_none=True)
+            _sync(device)
+            t0 = time.perf_counter()
+            loss = loss_fn(model, batch)
+            _sync(device)
+            t1 = time.perf_counter()
+            clock.update(t=t1, on=timed, order=[])
+            loss.backward()
+            _sync(device)
+            t2 = time.perf_counter()
+            clock["on"] = False
+            optimizer.step()
+            _sync(device)
+            t3 = time.perf_counter()
+            if timed:
+                forward.append(t1 - t0)
+                backward.append(t2 - t1)
+                update.append(t3 - t2)
+                order = clock["order"]
+    finally:
+        for h in handles:
+            h.remove()
+    return {"forward_s": forward, "backward_s": backward, "optimizer_s": update,
+            "ready": ready, "order": order}
 
 
 def probed_state(named, matrix_rank, min_compression_rate: Optional[float] = None
@@ -228,41 +254,9 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
     matrix_rank, min_compression_rate = settings.matrix_rank, settings.min_compression_rate
     fixed_rank, auto = parse_matrix_rank(matrix_rank)
 
-    ready: Dict[str, List[float]] = {n: [] for n, _ in named}
-    clock = {"t": 0.0, "on": False}
-
-    def make_hook(name):
-        def hook(_param):
-            if clock["on"]:
-                _sync(dev)
-                ready[name].append(time.perf_counter() - clock["t"])
-        return hook
-    handles = [p.register_post_accumulate_grad_hook(make_hook(n)) for n, p in named]
-    forward, backward, update = [], [], []
-    try:
-        for step in range(warmup + steps):
-            timed = step >= warmup
-            optimizer.zero_grad(set_to_none=True)
-            _sync(dev)
-            t0 = time.perf_counter()
-            loss = loss_fn(model, batch)
-            _sync(dev)
-            t1 = time.perf_counter()
-            clock.update(t=t1, on=timed)
-            loss.backward()
-            _sync(dev)
-            t2 = time.perf_counter()
-            clock["on"] = False
-            optimizer.step()
-            _sync(dev)
-            t3 = time.perf_counter()
-            if timed:
-                forward.append(t1 - t0)
-                backward.append(t2 - t1)
-                update.append(t3 - t2)
-    finally:
-        for h in handles:
-            h.remove()
+    timed = time_training_steps(model, batch, loss_fn, optimizer, dev, steps, warmup,
+                                named=named)
+    ready = timed["ready"]
     if auto is None:
         layouts = make_layouts([(n, tuple(p.shape), p.dtype) for n, p in named], fixed_rank,
                                min_compression_rate, payload_dtype=compute_dtype)
@@ -296,16 +290,8 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
     orth_p = _timed(lambda: orthonormalize_(f.clone() for f in p_factors), dev, repeats) \
         if p_factors else 0.0
 
-    compressed_layouts = [lay for lay in layouts if lay.compressed]
-    buckets = {
-        "acp_p": _bucket_dicts(plan_buckets(layouts, Phase.P, fusion_threshold_bytes)),
-        "acp_q": _bucket_dicts(plan_buckets(layouts, Phase.Q, fusion_threshold_bytes)),
-        "psgd_p": _bucket_dicts(plan_buckets(layouts, Phase.P, fusion_threshold_bytes,
-                                             prefix="hvd_acp.powersgd")),
-        "psgd_q": _bucket_dicts(plan_buckets(compressed_layouts, Phase.Q,
-                                             fusion_threshold_bytes, prefix="hvd_acp.powersgd"))
-        if compressed_layouts else [],
-    }
+    by_name = dict(named)
+    arrived = timed["order"] + [n for n, _ in reversed(named) if not ready[n]]
     return {
         "format": PROFILE_FORMAT,
         "description": description or type(model).__name__,
@@ -319,25 +305,28 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
         "fusion_threshold_bytes": fusion_threshold_bytes,
         "min_compression_rate": min_compression_rate,
         "steps": steps, "warmup": warmup, "repeats": repeats,
-        "forward_s": statistics.median(forward),
-        "backward_s": statistics.median(backward),
-        "optimizer_s": statistics.median(update),
+        "forward_s": statistics.median(timed["forward_s"]),
+        "backward_s": statistics.median(timed["backward_s"]),
+        "optimizer_s": statistics.median(timed["optimizer_s"]),
         "gradient_bytes": sum(e["bytes"] for e in params),
         "host_s_per_byte": _host_s_per_byte(dev, repeats),
         "orthonormalize_s": {"acp_p": orth_q, "acp_q": orth_p, "psgd": orth_p},
         "params": params,
-        "buckets": buckets,
-        "ddp_buckets": ddp_buckets(named),
+        "ready_order": timed["order"],
+        "buckets": bucket_plans(layouts, fusion_threshold_bytes),
+        "ddp_buckets": ddp_buckets([(n, by_name[n].numel(), by_name[n].dtype) for n in arrived]),
     }
 
 
 def profile_builtin(model: str, batch_size: int, *, matrix_rank: Optional[int] = None,
                     device: str = "cpu", image_size: int = 128, seq_len: int = 64,
-                    steps: int = 3, warmup: int = 1, repeats: int = 3) -> dict:
-    """Profile one of the built-in models (:func:`.models.build_model`)."""
+                    steps: int = 3, warmup: int = 1, repeats: int = 3, spec=None) -> dict:
+    """Profile one of the built-in models or a user's ``module:function``
+    (:func:`.models.build_model`; ``spec``: one built already)."""
     from .models import build_model, default_matrix_rank
     rank = matrix_rank or default_matrix_rank(model)
-    spec = build_model(model, batch_size, image_size=image_size, seq_len=seq_len)
+    if spec is None:
+        spec = build_model(model, batch_size, image_size=image_size, seq_len=seq_len)
     out = profile_model(spec.model, spec.batch, spec.loss_fn, matrix_rank=rank, device=device,
                         steps=steps, warmup=warmup, repeats=repeats,
                         description=spec.description)

@@ -16,7 +16,12 @@ be identical, so a collective starts when this rank has submitted it.
   the reused factor at its first hook, then every hook compresses its
   gradient on the backward thread (delaying the rest of backward); a fused
   buffer of :func:`hvd_acp.fusion.plan_buckets` is submitted to Horovod's
-  thread when its last member is compressed. ``step()`` takes the buffers
+  thread as soon as the factor of its last member to arrive is projected:
+  that member's residual (``acp_p_residual_s``, ``acp_q_residual_s``) is
+  computed after the launch, every other one right after its projection.
+  A buffer closes early, at least half full of two or more tensors, before
+  a tensor whose payload alone reaches the target (the plan's rule), so it
+  is on the wire while that tensor's gradient is computed. ``step()`` takes the buffers
   in order and reconstructs each one's gradients as soon as it arrives. P
   and Q steps alternate: the figures are their mean. The default step-ahead
   error feedback shifts the compressed parameters before the forward pass
@@ -33,11 +38,14 @@ be identical, so a collective starts when this rank has submitted it.
   all-reduces; the chain then orthonormalizes, computes Q, all-reduces it and
   reconstructs. Backward's end waits for every chain.
 
-- **ACP-SGD, DDP hook** (``hvd_acp.ddp.acp_hook``): DDP's buckets, no
-  Horovod cycle. When a bucket is ready the hook, on the backward thread,
-  orthonormalizes its share of the reused factors, compresses the bucket's
-  gradients (delaying the rest of backward) and starts one all-reduce of
-  the bucket's factors and uncompressed tensors; its callback rebuilds the
+- **ACP-SGD, DDP hook** (``hvd_acp.ddp.acp_hook``): DDP's buckets as DDP
+  rebuilds them after its first iteration (in the order the gradients
+  arrived, :mod:`.replan`), launched in that order, no Horovod cycle. When a
+  bucket is ready the hook, on the backward thread, orthonormalizes its
+  share of the reused factors, compresses the bucket's gradients (delaying
+  the rest of backward) and starts one all-reduce of the bucket's factors
+  and uncompressed tensors before the residual of its last compressed
+  member, which it computes while the bucket travels; its callback rebuilds the
   gradients when the all-reduce is done. Backward's end waits for every
   bucket. P and Q steps alternate; step-ahead shifts and restores as for
   ``hvd_acp.DistributedOptimizer``.
@@ -277,6 +285,25 @@ def _compressed_s(params: Dict[str, dict], key: str) -> float:
     return sum(p.get(key, 0.0) for p in params.values() if p["compressed"])
 
 
+def _owed_s(param: dict, key: str) -> float:
+    """The residual of ``param``'s step ``key`` (``acp_p_s``/``acp_q_s``),
+    computed after a launch; 0 where the profile did not time it (an
+    uncompressed tensor, or a profile made before it was timed)."""
+    return min(param.get(key.replace("_s", "_residual_s"), 0.0), param.get(key, 0.0))
+
+
+def _launch_times(buckets, done: Dict[str, float], profile: dict, params: Dict[str, dict],
+                  key: str, scale: float) -> List[float]:
+    """When each fused buffer is submitted: once the factor of its last member
+    to arrive is projected, before that member's residual."""
+    order = {p["name"]: i for i, p in enumerate(_backward_order(profile))}
+    times = []
+    for bucket in buckets:
+        last = max(bucket["members"], key=lambda n: (done[n], order[n]))
+        times.append(done[last] - _owed_s(params[last], key) * scale)
+    return times
+
+
 def _predict_acp_phase(profile, settings, origin, phase: str) -> StepPrediction:
     s = settings.compute_scale
     costs = _Costs(settings, s)
@@ -291,7 +318,8 @@ def _predict_acp_phase(profile, settings, origin, phase: str) -> StepPrediction:
                                      lambda p: p.get(key, 0.0) if p["compressed"] else 0.0)
     buckets = profile["buckets"]["acp_" + phase.lower()]
     thread = _horovod_thread(settings, costs, origin)
-    finish = thread.submit([(max(done[n] for n in b["members"]), b["bytes"]) for b in buckets])
+    launched = _launch_times(buckets, done, profile, params, key, s)
+    finish = thread.submit([(at, b["bytes"]) for at, b in zip(launched, buckets)])
     t, recon = bwd_end, 0.0
     for bucket, arrived in zip(buckets, finish):
         r = _reconstruct_s(bucket["members"], params) * s
@@ -398,7 +426,9 @@ def _predict_acp_ddp_phase(profile, settings, phase: str) -> StepPrediction:
         size = (sum(p["bytes"] for p in ps if not p["ddp_compressed"])
                 + sum(p[factor_bytes] for p in comp))
         duration = costs(size)
-        link_free = max(ready + hook, link_free) + duration
+        # The last compressed member's residual runs after the launch.
+        owed = _owed_s(comp[-1], key) * s if comp else 0.0
+        link_free = max(ready + hook - owed, link_free) + duration
         recon = sum(p.get("reconstruct_s", 0.0) for p in comp) * s
         arrived = max(arrived, link_free) + recon
         compression += hook + recon
