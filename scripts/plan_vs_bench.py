@@ -5,15 +5,19 @@ does what a user would: ``hvd-acp-plan --model M --batch-size B --np N
 --bandwidth X`` with nothing else but the Horovod cycle time the run used
 (``--horovod-cycle-time-ms``, a setting of the run, not a calibration), and
 compares each predicted step with the measured median. No link calibration,
-no diagnostics floors, no host-serial flag: the defaults. The profile is
-measured here once per model and batch, with the planner's default threads
-per rank (1, as each benchmark rank runs).
+no diagnostics floors: the defaults. The profile is measured here once per
+model and batch with the planner's defaults: as many ranks at once as a
+node of this host runs (at most the run's ranks), the host's cores divided
+among them as threads, Horovod's background thread alive (``--alone``: one
+process alone, as the planner profiled before issue 33, for comparison).
 
     .venv/bin/python scripts/plan_vs_bench.py bench-results/resnet50_100mbit/results.json ... \\
         --out bench-results/validation/defaults
 
 Writes ``defaults.json`` and ``defaults.md`` (a table: run, method, measured,
-predicted, error) and prints the table.
+predicted, error; then the counts against the targets and, for every pair
+of methods whose measured interval separates them, whether the predicted
+order agrees) and prints them.
 """
 from __future__ import annotations
 
@@ -31,9 +35,11 @@ from hvd_acp.plan.__main__ import main as plan_main  # noqa: E402
 
 #: A prediction within this fraction of the measurement meets the target.
 TARGET = 0.20
+#: The tighter target of S-SGD's predictions.
+SSGD_TARGET = 0.15
 
 
-def _predict(results: Path, out: Path, profiles: Dict[Tuple, Path]) -> dict:
+def _predict(results: Path, out: Path, profiles: Dict[Tuple, Path], extra: List[str]) -> dict:
     bench = json.loads(results.read_text())
     cfg = bench["config"]
     key = (cfg["model"], cfg["batch_size"], cfg["matrix_rank"])
@@ -46,7 +52,8 @@ def _predict(results: Path, out: Path, profiles: Dict[Tuple, Path]) -> dict:
     if profile is None:
         profile = out / f"profile_{cfg['model']}_b{cfg['batch_size']}.json"
         command = ["--model", cfg["model"], "--batch-size", str(cfg["batch_size"]),
-                   "--matrix-rank", str(cfg["matrix_rank"]), "--save-profile", str(profile)]
+                   "--matrix-rank", str(cfg["matrix_rank"]), "--save-profile", str(profile),
+                   *extra]
         profiles[key] = profile
     else:
         command = ["--profile", str(profile)]
@@ -54,6 +61,17 @@ def _predict(results: Path, out: Path, profiles: Dict[Tuple, Path]) -> dict:
         raise RuntimeError(f"hvd-acp-plan failed on {results}")
     plan = json.loads((plan_dir / "plan.json").read_text())
     predicted = plan["predictions"][0]["methods"]
+    order = []
+    for ratio in bench.get("ratios") or ():
+        a, b = ratio["a"], ratio["b"]
+        if (ratio.get("what") == "step" and ratio.get("verdict") in ("faster", "slower")
+                and a in predicted and b in predicted and a in bench["methods"]
+                and b in bench["methods"]):
+            faster = predicted[a]["step_s"] < predicted[b]["step_s"]
+            order.append({"a": a, "b": b, "measured": ratio["verdict"],
+                          "interval": [ratio["low"], ratio["high"]],
+                          "predicted": "faster" if faster else "slower",
+                          "agrees": faster == (ratio["verdict"] == "faster")})
     rows = {}
     for method, entry in bench["methods"].items():
         measured = entry.get("step_s_median")
@@ -66,8 +84,8 @@ def _predict(results: Path, out: Path, profiles: Dict[Tuple, Path]) -> dict:
             "model": cfg["model"], "batch_size": cfg["batch_size"], "np": cfg["np"],
             "bandwidth_mbit": cfg["bandwidth_mbit"],
             "command": "hvd-acp-plan " + " ".join(
-                ["--model", cfg["model"], "--batch-size", str(cfg["batch_size"]), *flags]),
-            "methods": rows}
+                ["--model", cfg["model"], "--batch-size", str(cfg["batch_size"]), *flags, *extra]),
+            "assumed": plan["config"].get("assumed"), "methods": rows, "order": order}
 
 
 def markdown(found: List[dict]) -> str:
@@ -84,6 +102,21 @@ def markdown(found: List[dict]) -> str:
     within = sum(e <= TARGET for e in errors)
     lines += ["", f"{within} of {len(errors)} predictions within {TARGET:.0%}; worst "
               f"{max(errors) * 100:.1f}%." if errors else "no prediction"]
+    ssgd = [abs(run["methods"]["ssgd"]["error"]) for run in found if "ssgd" in run["methods"]]
+    if ssgd:
+        lines.append(f"S-SGD: {sum(e <= SSGD_TARGET for e in ssgd)} of {len(ssgd)} within "
+                     f"{SSGD_TARGET:.0%}; worst {max(ssgd) * 100:.1f}%.")
+    pairs = [(run, o) for run in found for o in run.get("order", ())]
+    if pairs:
+        wrong = [f"{Path(run['run']).name}: {label(o['a'])} measured {o['measured']} than "
+                 f"{label(o['b'])}, predicted {o['predicted']}" for run, o in pairs
+                 if not o["agrees"]]
+        lines.append(f"Order: {len(pairs) - len(wrong)} of {len(pairs)} pairs of methods whose "
+                     "measured interval separates them are predicted in the measured order"
+                     + (": " + "; ".join(wrong) if wrong else "."))
+    assumed = sorted({run["assumed"] for run in found if run.get("assumed")})
+    if assumed:
+        lines.append("Profiles: " + "; ".join(assumed) + ".")
     return "\n".join(lines)
 
 
@@ -91,10 +124,14 @@ def main(argv: List[str] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", type=Path, nargs="+", help="the runs' results.json")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--alone", action="store_true",
+                        help="profile one process alone (hvd-acp-plan --alone) instead of "
+                             "every local rank at once")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     profiles: Dict[Tuple, Path] = {}
-    found = [_predict(path.resolve(), args.out, profiles) for path in args.results]
+    extra = ["--alone"] if args.alone else []
+    found = [_predict(path.resolve(), args.out, profiles, extra) for path in args.results]
     text = markdown(found)
     (args.out / "defaults.json").write_text(json.dumps(found, indent=1) + "\n")
     (args.out / "defaults.md").write_text(text + "\n")

@@ -7,6 +7,9 @@
 - :mod:`.baselines`: bytes per step of DiLoCo and the DeMo-style method and the
   time of their collectives, beside the table (pure);
 - :mod:`.profile`: the measurements (torch), :func:`profile_model` for any model;
+- :mod:`.node`: the profile as a node's ranks run: every local rank at once
+  (:mod:`.node_worker`), Horovod's thread alive, what was assumed recorded;
+- :mod:`.replan`: the buffers each method sends, planned as the code plans them;
 - :mod:`.models`: the built-in models of ``--model``;
 - :mod:`.link`: link calibration files (a network stack's CPU cost per byte);
 - :mod:`.units`: command-line values (link rates, lists);

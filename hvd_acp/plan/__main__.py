@@ -33,10 +33,19 @@ _non_negative_float = number_type(float, lambda v: v >= 0, "a number >= 0")
 def _add_model_args(p: argparse.ArgumentParser, required: bool) -> None:
     add_model_arguments(p, required=required, what=", profiled on this machine")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--ranks-per-node", type=positive_int, default=None,
+                   help="ranks profiled at once on this node, as the launch will run them "
+                        "(default: one per GPU with --device cuda, one per core on the CPU; "
+                        "with predict at most the smallest --np, or --gpus-per-node)")
     p.add_argument("--threads-per-rank", type=positive_int, default=None,
-                   help="torch threads while profiling on the CPU: those of one rank (default "
-                        "1, a rank per core, as the benchmark's ranks run; give the cores of "
-                        "one rank where ranks get several)")
+                   help="torch threads of each rank (default: this node's cores divided among "
+                        "the ranks per node)")
+    p.add_argument("--alone", action="store_true",
+                   help="profile one process alone: no other rank computing, no Horovod "
+                        "thread (a rank that has its node to itself)")
+    p.add_argument("--no-horovod-thread", action="store_true",
+                   help="profile the ranks without Horovod initialized (default: with its "
+                        "background thread alive, where Horovod is installed)")
     p.add_argument("--steps", type=positive_int, default=3, help="timed profiling steps (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     p.add_argument("--repeats", type=positive_int, default=3,
@@ -53,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     prof = sub.add_parser("profile", help="measure one training step on this machine")
     _add_model_args(prof, required=True)
+    prof.add_argument("--horovod-cycle-time-ms", type=_non_negative_float, default=None,
+                      help="HOROVOD_CYCLE_TIME of the profiled ranks' Horovod thread (default: "
+                           "the environment's, else Horovod's 1 ms)")
     prof.add_argument("--out", type=Path, required=True, help="profile.json to write")
 
     pred = sub.add_parser("predict", help="predict step times for a grid of clusters")
@@ -85,9 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a link calibration (python -m benchmarks calibrate-link): add "
                            "its network stack's CPU cost per byte to every all-reduce "
                            "(default: none, as where the NIC does it)")
-    pred.add_argument("--host-serial", action="store_true",
+    pred.add_argument("--host-serial", action=argparse.BooleanOptionalAction, default=None,
                       help="the collectives' host work delays computation (no spare core per "
-                           "rank, e.g. a CPU cluster with a rank per core)")
+                           "rank, e.g. a CPU cluster with a rank per core; default: where the "
+                           "profile's ranks used every core of a CPU node)")
     pred.add_argument("--save-profile", type=Path, default=None,
                       help="with --model: also write the profile measured here")
     pred.add_argument("--no-plot", action="store_true", help="skip plan.png")
@@ -133,30 +146,26 @@ def _read_link(path: Optional[Path]) -> Optional[dict]:
     return None if path is None else read_link(path)
 
 
-def _builtin(args) -> dict:
-    """Profile ``--model`` here, as one rank will run it: on the CPU with
-    ``--threads-per-rank`` torch threads (what was assumed is recorded in the
-    profile and printed)."""
-    import torch
-    from .profile import profile_builtin
-    if not str(args.device).startswith("cuda"):
-        torch.set_num_threads(args.threads_per_rank or 1)
-    return profile_builtin(args.model, args.batch_size or default_batch_size(args.model),
-                           matrix_rank=args.matrix_rank, device=args.device,
+def _builtin(args, nps: Optional[List[int]] = None) -> dict:
+    """Profile ``--model`` here as the ranks of a node will run it: every local
+    rank at once, each with its threads, Horovod's thread alive (what was
+    assumed is recorded in the profile and printed; :mod:`.node`)."""
+    from .node import node_conditions, profile_on_node
+    conditions = node_conditions(
+        args.device, ranks_per_node=args.ranks_per_node, threads_per_rank=args.threads_per_rank,
+        nps=nps, gpus_per_node=getattr(args, "gpus_per_node", None),
+        horovod_thread=False if args.no_horovod_thread else None,
+        cycle_time_ms=args.horovod_cycle_time_ms, alone=args.alone)
+    return profile_on_node(args.model, args.batch_size or default_batch_size(args.model),
+                           conditions, matrix_rank=args.matrix_rank, device=args.device,
                            image_size=args.image_size, seq_len=args.seq_len, steps=args.steps,
                            warmup=args.warmup, repeats=args.repeats)
 
 
 def _assumed(profile: dict) -> str:
     """What the profile assumed about a rank, in one line."""
-    if str(profile.get("device", "cpu")).startswith("cuda"):
-        return f"profiled on {profile.get('device_name') or profile.get('device')}"
-    threads = profile.get("torch_threads")
-    if threads is None:
-        return "profiled on the CPU (its torch threads per rank are not recorded)"
-    return (f"profiled on the CPU with {threads} torch thread{'s' if threads != 1 else ''} "
-            "per rank (--threads-per-rank): the prediction holds where each rank computes "
-            "with that many cores")
+    from .node import describe_conditions
+    return describe_conditions(profile)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -188,6 +197,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _fail(str(exc))
     except ValueError as exc:
         return _fail(str(exc))
+    except RuntimeError as exc:
+        # A node's profile whose ranks failed: their output is in the message.
+        return _fail(str(exc))
 
 
 def _predict(parser, args, command: str) -> int:
@@ -213,7 +225,7 @@ def _predict(parser, args, command: str) -> int:
     if args.profile is not None:
         profile, source = _read_profile(args.profile), str(args.profile)
     else:
-        profile, source = _builtin(args), f"measured here ({args.model}, {args.device})"
+        profile, source = _builtin(args, nps), f"measured here ({args.model}, {args.device})"
         if args.save_profile:
             args.save_profile.write_text(json.dumps(profile, indent=1) + "\n")
     from .report import write_plan

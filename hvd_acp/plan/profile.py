@@ -24,6 +24,10 @@ Measured in one process, no communication:
 - ``host_s_per_byte``: a fused all-reduce's own work per byte on this device
   (copy into the fusion buffer, add a peer's chunk, copy out).
 
+The conditions it ran under (``conditions``: ranks computing at once on the
+node, threads per rank, Horovod's background thread) are the caller's to
+set: :mod:`.node` runs this in every local rank at once.
+
 The result is a plain dict, saved as JSON; :mod:`.timeline` needs nothing else.
 """
 from __future__ import annotations
@@ -43,6 +47,7 @@ from ..fusion import DEFAULT_FUSION_THRESHOLD_BYTES, make_layouts
 from ..settings import Settings
 from ..state import CompressedTensor, CompressionState
 from .models import to_device
+from .node import NodeConditions, usable_cores
 from .replan import bucket_plans, ddp_buckets
 
 logger = logging.getLogger(__name__)
@@ -135,6 +140,14 @@ def _time_compression(tensor: CompressedTensor, device: torch.device, repeats: i
     return times
 
 
+def alone_conditions(device: torch.device) -> dict:
+    """The ``conditions`` of a profile measured in this process alone
+    (:class:`.node.NodeConditions`)."""
+    return NodeConditions(ranks_per_node=1, threads_per_rank=torch.get_num_threads(),
+                          cores=usable_cores(), device=device.type, horovod_thread=False,
+                          alone=True).as_dict()
+
+
 def time_training_steps(model: nn.Module, batch, loss_fn: Callable,
                         optimizer: torch.optim.Optimizer, device: torch.device, steps: int,
                         warmup: int, named: Optional[Sequence[tuple]] = None) -> dict:
@@ -208,7 +221,8 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
                   device: Optional[str] = None, optimizer: Optional[torch.optim.Optimizer] = None,
                   steps: int = 3, warmup: int = 1, repeats: int = 3,
                   fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD_BYTES,
-                  min_compression_rate: Optional[float] = None, description: str = "") -> dict:
+                  min_compression_rate: Optional[float] = None, description: str = "",
+                  conditions: Optional[dict] = None) -> dict:
     """Profile one training step of ``model`` (see the module docstring).
 
     Args:
@@ -227,6 +241,9 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
         repeats: timed calls of each compression kernel.
         fusion_threshold_bytes, min_compression_rate: as for
             :class:`hvd_acp.DistributedOptimizer`.
+        conditions: what the measurement ran under, recorded as the
+            profile's ``conditions`` (:mod:`.node` sets it for its ranks);
+            default: this process alone (:func:`alone_conditions`).
 
     Returns:
         The profile, a JSON-serializable dict.
@@ -315,12 +332,14 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
         "ready_order": timed["order"],
         "buckets": bucket_plans(layouts, fusion_threshold_bytes),
         "ddp_buckets": ddp_buckets([(n, by_name[n].numel(), by_name[n].dtype) for n in arrived]),
+        "conditions": dict(conditions) if conditions else alone_conditions(dev),
     }
 
 
 def profile_builtin(model: str, batch_size: int, *, matrix_rank: Optional[int] = None,
                     device: str = "cpu", image_size: int = 128, seq_len: int = 64,
-                    steps: int = 3, warmup: int = 1, repeats: int = 3, spec=None) -> dict:
+                    steps: int = 3, warmup: int = 1, repeats: int = 3, spec=None,
+                    conditions: Optional[dict] = None) -> dict:
     """Profile one of the built-in models or a user's ``module:function``
     (:func:`.models.build_model`; ``spec``: one built already)."""
     from .models import build_model, default_matrix_rank
@@ -329,6 +348,6 @@ def profile_builtin(model: str, batch_size: int, *, matrix_rank: Optional[int] =
         spec = build_model(model, batch_size, image_size=image_size, seq_len=seq_len)
     out = profile_model(spec.model, spec.batch, spec.loss_fn, matrix_rank=rank, device=device,
                         steps=steps, warmup=warmup, repeats=repeats,
-                        description=spec.description)
+                        description=spec.description, conditions=conditions)
     out.update(model=model, batch_size=batch_size, image_size=image_size, seq_len=seq_len)
     return out

@@ -11,6 +11,7 @@ from ..methods import REGISTRY, get, label
 from .baselines import baseline_costs
 from .cost import Network
 from .link import stack_s_per_byte
+from .node import describe_conditions, no_spare_core
 from .timeline import METHODS, Settings, predict_methods
 
 __all__ = ["predict_grid", "recommend", "crossovers", "write_plan", "format_plan_md"]
@@ -79,10 +80,20 @@ def _settings(profile: dict, np: int, bw: float, latency_us: float, opts: dict) 
                   gpus_per_node=opts.get("gpus_per_node") or 1,
                   intra_bandwidth_mbit=opts.get("intra_bandwidth_mbit"),
                   intra_latency_s=(opts.get("intra_latency_us") or 0.0) * 1e-6)
+    scale = opts.get("compute_scale") or 1.0
+    # The profile's ranks ran with Horovod's thread; the DDP hook's run without it.
+    ddp_scale = scale * ((profile.get("conditions") or {}).get("ddp_compute_scale") or 1.0)
     return Settings(np=np, network=net, cycle_time_s=opts.get("cycle_time_ms", 1.0) / 1e3,
-                    compute_scale=opts.get("compute_scale") or 1.0,
-                    host_serial=bool(opts.get("host_serial")),
+                    compute_scale=scale, ddp_compute_scale=ddp_scale,
+                    host_serial=host_serial(profile, opts),
                     horovod_negotiation_s=(opts.get("negotiation_us") or 0.0) * 1e-6)
+
+
+def host_serial(profile: dict, opts: dict) -> bool:
+    """``--host-serial`` as given, else whether the profile's ranks used every
+    core of a CPU node (:func:`.node.no_spare_core`)."""
+    given = opts.get("host_serial")
+    return no_spare_core(profile) if given is None else bool(given)
 
 
 def predict_grid(profile: dict, nps: Sequence[int], bandwidths_mbit: Sequence[float],
@@ -118,19 +129,15 @@ def crossovers(profile: dict, nps: Sequence[int], latency_us: float, opts: Optio
     return found
 
 
-def _threads_note(cfg: dict) -> str:
-    threads = (cfg.get("profile") or {}).get("torch_threads")
-    if threads is None or str(cfg.get("device", "cpu")).startswith("cuda"):
-        return ""
-    return f" with {threads} torch thread{'s' if threads != 1 else ''} per rank"
-
-
 def format_plan_md(plan: dict) -> str:
     cfg = plan["config"]
     lines = [f"# hvd-acp-plan: {cfg.get('model') or cfg.get('description', '')}", "",
              f"Profile: `{cfg.get('profile_source', '')}` ({cfg.get('description', '')}; device "
-             f"{cfg.get('device')}{_threads_note(cfg)}, batch {cfg.get('batch_size')} per rank, matrix rank "
-             f"{cfg.get('matrix_rank')}); compute scale {cfg['compute_scale']:g}; Horovod cycle "
+             f"{cfg.get('device')}, batch {cfg.get('batch_size')} per rank, matrix rank "
+             f"{cfg.get('matrix_rank')}; {cfg.get('assumed', '')}); compute scale "
+             f"{cfg['compute_scale']:g}"
+             + ("; host work serial with compute" if cfg.get("host_serial") else "")
+             + f"; Horovod cycle "
              f"{cfg['cycle_time_ms']:g} ms; host cost {cfg['host_s_per_byte'] * 1e9:.2f} ns/byte"
              + (f"; network stack {cfg['stack_s_per_byte'] * 1e9:.2f} ns/byte at "
                 f"{_fmt_bw(cfg['bandwidth_mbit'][0])} (`{cfg['link_calibration']}`)"
@@ -259,8 +266,11 @@ def write_plan(profile: dict, out: Path, nps: Sequence[int], bandwidths_mbit: Se
         "stack_s_per_byte": first.network.stack_s_per_byte,
         "gpus_per_node": first.network.gpus_per_node,
         "intra_bandwidth_mbit": first.network.intra_bandwidth_mbit, "command": command,
+        "host_serial": first.host_serial, "ddp_compute_scale": first.ddp_compute_scale,
+        "assumed": describe_conditions(profile),
         "profile": {k: profile.get(k) for k in ("forward_s", "backward_s", "optimizer_s",
-                                                 "gradient_bytes", "torch_threads")}},
+                                                 "gradient_bytes", "torch_threads",
+                                                 "conditions")}},
         "predictions": predict_grid(profile, nps, bandwidths_mbit, latencies_us, opts),
         "crossovers": crossovers(profile, nps, latencies_us[0], opts)}
     (out / "plan.json").write_text(json.dumps(plan, indent=1) + "\n")
