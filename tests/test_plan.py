@@ -676,3 +676,21 @@ def test_the_plan_lists_the_baselines_bytes_beside_its_tables():
     assert set(bare[0]["baselines"]) == {"diloco"}
     assert "n/a (the profile lacks the shapes)" in format_plan_md(
         dict(plan, predictions=bare))
+
+
+def test_the_paper_table_of_planner_md_is_what_the_script_writes(monkeypatch):
+    """docs/planner.md's projections for the paper's settings come from the
+    committed profiles through today's timeline: a change to either shows."""
+    import importlib
+    from tests.hvdrun import REPO
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    paper = importlib.import_module("paper_projection")
+    page = REPO / "docs" / "planner.md"
+    text = page.read_text(encoding="utf-8")
+    rows = paper.project(15.7, 0.4)
+    lines = paper.markdown(rows, 15.7, 0.4)
+    rendered = paper.replace_marked(text, paper.MARKERS, lines, page)
+    assert rendered == text, "docs/planner.md is not what scripts/paper_projection.py writes"
+    # The rows are the paper's settings: 2 models x 3 networks x 8-64 GPUs.
+    assert len(rows) == 24 and {r["np"] for r in rows} == {8, 16, 32, 64}
+    assert all(r["vs_ssgd"] > 0.95 for r in rows)
