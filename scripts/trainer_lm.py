@@ -44,7 +44,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--method", choices=("ddp", "acp"), default="acp")
     parser.add_argument("--matrix-rank", type=matrix_rank_type, default=None,
                         help="an int, or 'auto'; default: the library's default")
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--step-ahead", type=float, default=None,
+                        help="register_acp(step_ahead=...); default: the library's")
+    parser.add_argument("--fp16-wire", choices=("on", "off"), default=None,
+                        help="register_acp(fp16_wire=...); default: the library's")
+    parser.add_argument("--warmup-steps", type=int, default=None,
+                        help="register_acp(warmup_steps=...): exact steps first; default: "
+                             "the library's")
+    parser.add_argument("--lr", type=float, default=2e-3,
+                        help="peak learning rate (default: S-SGD's best of the sweep in "
+                             "docs/convergence.md)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup-ratio", type=float, default=0.1,
                         help="share of the steps in linear warm-up")
@@ -127,7 +136,10 @@ def main(argv=None) -> None:
     dataset = RandomWindows(train, args.seq_len, args.steps * args.batch_size * world, args.seed)
     trainer = Trainer(model=model, args=training, train_dataset=dataset,
                       eval_dataset=EvenWindows(val, args.seq_len, args.val_windows))
-    acp = register_acp(trainer, matrix_rank=args.matrix_rank) if args.method == "acp" else None
+    settings = {"matrix_rank": args.matrix_rank, "step_ahead": args.step_ahead,
+                "warmup_steps": args.warmup_steps,
+                "fp16_wire": None if args.fp16_wire is None else args.fp16_wire == "on"}
+    acp = register_acp(trainer, **settings) if args.method == "acp" else None
     start = time.time()
     result = trainer.train()
     wall = time.time() - start
@@ -139,7 +151,11 @@ def main(argv=None) -> None:
                    "seed": args.seed, "world_size": world, "steps": result.global_step,
                    "val_loss": final, "bytes_per_step": sent,
                    "ssgd_bytes_per_step": dense, "wall_s": wall,
-                   "ranks": acp.state.compression.ranks() if acp else None}
+                   "ranks": acp.state.compression.ranks() if acp else None,
+                   "settings": ({key: value if isinstance(value, (int, float, bool, type(None)))
+                                 else str(value)
+                                 for key, value in acp.state.settings.as_kwargs().items()}
+                                if acp else None)}
         print(f"final validation loss {final:.4f}; bytes per step and rank {sent:,.0f} "
               f"(S-SGD {dense:,}: {dense / sent:.2f}x less)", flush=True)
         if args.summary:
