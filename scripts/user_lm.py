@@ -62,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--auto-max-rank", type=int, default=None,
                         help="with --matrix-rank auto: AutoRank(max_rank=...)")
     parser.add_argument("--step-ahead", type=float, default=None)
+    parser.add_argument("--fp16-wire", choices=("on", "off"), default=None,
+                        help="acp, powersgd: the factors in fp16 on the wire or not "
+                             "(default: the library's)")
     parser.add_argument("--diloco-h", type=int, default=None,
                         help="diloco: inner steps between outer steps (default: the library's)")
     parser.add_argument("--diloco-outer-lr", type=float, default=None)
@@ -178,6 +181,9 @@ def main(argv=None) -> dict:
         extra["step_ahead"] = args.step_ahead
     if args.warmup_steps is not None:
         extra["warmup_steps"] = args.warmup_steps
+    if args.fp16_wire is not None:
+        extra["compression"] = hvd.Compression.fp16 if args.fp16_wire == "on" \
+            else hvd.Compression.none
     if extra and args.optimizer in ("diloco", "demo"):
         raise SystemExit(f"--optimizer {args.optimizer} takes none of {sorted(extra)}")
     if args.optimizer in ("ssgd", "ssgd-fp16"):
