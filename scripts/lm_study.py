@@ -59,6 +59,9 @@ class Recipe:
             script, the same flags otherwise).
         extra_methods: row label -> flags, run at the best rate on seed 0
             only: settings shown beside the defaults.
+        rate_from: a check at another world size: no sweep of its own, the
+            methods run at the best rate of the recipe with this key.
+        seeds: the seeds of the methods at the best rate.
     """
 
     key: str
@@ -70,6 +73,13 @@ class Recipe:
     methods: Dict[str, Tuple[str, ...]]
     extra_methods: Dict[str, Tuple[str, ...]] = dataclasses.field(default_factory=dict)
     args: Tuple[str, ...] = ()
+    rate_from: Optional[str] = None
+    seeds: Tuple[int, ...] = SEEDS
+
+    @property
+    def short(self) -> str:
+        """The script and its world size, for a figure's legend."""
+        return f"{Path(self.script).name}, {self.np} ranks"
 
     def command(self, flags: Sequence[str], rate: str, seed: int, summary: Path) -> List[str]:
         python = str(Path(sys.executable).relative_to(REPO)) \
@@ -91,6 +101,9 @@ def horovod_methods(**extra) -> Dict[str, Tuple[str, ...]]:
 #: The settings that were the advice before the defaults depended on the optimizer.
 EARLIER = {"ACP-SGD, rank 4 (the SGD default)": ("--optimizer", "acp", "--matrix-rank", "4"),
            "ACP-SGD, rank 32": ("--optimizer", "acp", "--matrix-rank", "32")}
+#: The defaults less one of their parts (seed 0 at the best rate).
+ABLATION = {"ACP-SGD (defaults), fp32 on the wire": ("--optimizer", "acp", "--fp16-wire", "off"),
+            "ACP-SGD (defaults), step-ahead 0": ("--optimizer", "acp", "--step-ahead", "0")}
 
 RECIPES = (
     Recipe("train_lm_np2", "examples/train_lm.py, 2 ranks (1,000 steps)",
@@ -101,11 +114,25 @@ RECIPES = (
            horovod_methods(), EARLIER, ("--no-progress",)),
     Recipe("user_lm_np4", "scripts/user_lm.py, 4 ranks (400 steps)",
            "scripts/user_lm.py", 4, "horovodrun", ("3e-3", "6e-3", "1e-2", "1.5e-2"),
-           horovod_methods(), EARLIER, ("--steps", "400")),
+           horovod_methods(), {**EARLIER, **ABLATION}, ("--steps", "400")),
     Recipe("trainer_lm_np2", "scripts/trainer_lm.py: the Trainer's GPT-2, 2 ranks (300 steps)",
            "scripts/trainer_lm.py", 2, "torchrun", ("1e-3", "2e-3", "4e-3", "8e-3"),
            {SSGD: ("--method", "ddp"), ACP: ("--method", "acp")},
-           {"ACP-SGD, rank 4 (the SGD default)": ("--method", "acp", "--matrix-rank", "4")}),
+           {"ACP-SGD, rank 4 (the SGD default)": ("--method", "acp", "--matrix-rank", "4"),
+            "ACP-SGD (defaults), fp32 on the wire": ("--method", "acp", "--fp16-wire", "off"),
+            "ACP-SGD (defaults), step-ahead 0": ("--method", "acp", "--step-ahead", "0"),
+            "ACP-SGD (defaults), step-ahead 0.5": ("--method", "acp", "--step-ahead", "0.5"),
+            "ACP-SGD (defaults), 30 exact steps first": ("--method", "acp",
+                                                         "--warmup-steps", "30")}),
+    # Checks at other world sizes, at the rate swept above: the held-out
+    # Trainer recipe at 4 ranks, the user's script at 8.
+    Recipe("trainer_lm_np4", "scripts/trainer_lm.py: the Trainer's GPT-2, 4 ranks (300 steps)",
+           "scripts/trainer_lm.py", 4, "torchrun", (),
+           {SSGD: ("--method", "ddp"), ACP: ("--method", "acp")}, rate_from="trainer_lm_np2"),
+    Recipe("user_lm_np8", "scripts/user_lm.py, 8 ranks (400 steps)",
+           "scripts/user_lm.py", 8, "horovodrun", (),
+           {SSGD: ("--optimizer", "ssgd"), ACP: ("--optimizer", "acp")}, {},
+           ("--steps", "400"), rate_from="user_lm_np4", seeds=(0,)),
 )
 
 
@@ -165,6 +192,10 @@ def sweep_runs(recipe: Recipe) -> List[Run]:
     return [Run(recipe, label, rate, 0) for rate in recipe.rates for label in (SSGD, ACP)]
 
 
+def recipe_of(key: str) -> Recipe:
+    return next(recipe for recipe in RECIPES if recipe.key == key)
+
+
 #: Swept rates whose seed-0 loss is within this share of the lowest are close
 #: enough for one seed to misjudge: S-SGD runs on every seed at each of them.
 CLOSE = 0.01
@@ -174,7 +205,7 @@ def contenders(recipe: Recipe) -> Optional[List[str]]:
     """The swept rates where S-SGD's seed-0 loss is within :data:`CLOSE` of
     the lowest (None until the sweep is complete)."""
     losses = {run.rate: read(run.summary) for run in sweep_runs(recipe) if run.label == SSGD}
-    if any(value is None for value in losses.values()):
+    if not losses or any(value is None for value in losses.values()):
         return None
     finite = {rate: value["loss"] for rate, value in losses.items()
               if math.isfinite(value["loss"])}
@@ -184,6 +215,8 @@ def contenders(recipe: Recipe) -> Optional[List[str]]:
 
 def tiebreak_runs(recipe: Recipe) -> List[Run]:
     """S-SGD on every seed at each contender, when there are several."""
+    if recipe.rate_from:
+        return []
     rates = contenders(recipe) or []
     return [Run(recipe, SSGD, rate, seed) for rate in rates if len(rates) > 1
             for seed in SEEDS[1:]]
@@ -191,7 +224,10 @@ def tiebreak_runs(recipe: Recipe) -> List[Run]:
 
 def best_rate(recipe: Recipe) -> Optional[str]:
     """S-SGD's best swept rate: the lowest seed-0 loss, or among rates within
-    :data:`CLOSE` of it the lowest mean over every seed (None until known)."""
+    :data:`CLOSE` of it the lowest mean over every seed (None until known);
+    for a check at another world size, that of the recipe it takes it from."""
+    if recipe.rate_from:
+        return best_rate(recipe_of(recipe.rate_from))
     rates = contenders(recipe)
     if not rates:
         return None
@@ -207,7 +243,7 @@ def best_rate(recipe: Recipe) -> Optional[str]:
 
 
 def method_runs(recipe: Recipe, rate: str) -> List[Run]:
-    runs = [Run(recipe, label, rate, seed) for seed in SEEDS for label in recipe.methods]
+    runs = [Run(recipe, label, rate, seed) for seed in recipe.seeds for label in recipe.methods]
     return runs + [Run(recipe, label, rate, 0) for label in recipe.extra_methods]
 
 
@@ -279,7 +315,7 @@ def method_rows(recipe: Recipe, rate: str) -> List[dict]:
     ssgd = {seed: read(Run(recipe, SSGD, rate, seed).summary) for seed in SEEDS}
     rows = []
     for label in (*recipe.methods, *recipe.extra_methods):
-        seeds = SEEDS if label in recipe.methods else (0,)
+        seeds = recipe.seeds if label in recipe.methods else (0,)
         found = {seed: read(Run(recipe, label, rate, seed).summary) for seed in seeds}
         found = {seed: value for seed, value in found.items() if value is not None}
         if not found:
@@ -321,7 +357,8 @@ def figure(path: Path) -> None:
                 rates.append(float(rate))
                 gaps.append(_gap(acp["loss"], ssgd["loss"]))
         if rates:
-            axes[0].plot(rates, gaps, marker="o", label=recipe.title.split(":")[0])
+            axes[0].plot(rates, gaps, marker="o", label=recipe.short,
+                         color=f"C{RECIPES.index(recipe)}")
         best = best_rate(recipe)
         if best is None:
             continue
@@ -329,20 +366,22 @@ def figure(path: Path) -> None:
             if row["gaps"]:
                 axes[1].scatter(row["bytes"] / row["dense"], statistics.fmean(row["gaps"]),
                                 marker={SSGD: "s", ACP: "o"}.get(row["label"], "^"),
-                                color=f"C{RECIPES.index(recipe)}")
-    axes[0].axhline(0, color="grey", lw=0.8)
-    axes[0].axhline(1, color="grey", lw=0.8, ls="--")
-    axes[0].set_xscale("log")
-    axes[0].set_xlabel("peak learning rate (per rank)")
-    axes[0].set_ylabel("ACP-SGD (defaults) vs S-SGD, seed 0 (%)")
-    axes[0].set_title("the gap across the S-SGD sweep")
-    axes[0].legend(fontsize=7)
-    axes[1].axhline(0, color="grey", lw=0.8)
-    axes[1].axhline(1, color="grey", lw=0.8, ls="--")
-    axes[1].set_xscale("log")
-    axes[1].set_xlabel("bytes per step, share of S-SGD's")
-    axes[1].set_ylabel("mean vs S-SGD over the seeds run (%)")
-    axes[1].set_title("at S-SGD's best rate (square S-SGD, circle ACP defaults)")
+                                color=f"C{RECIPES.index(recipe)}",
+                                label=recipe.short if row["label"] == ACP
+                                else None)
+    labels = (("peak learning rate (per rank)", "ACP-SGD (defaults) vs S-SGD, seed 0 (%)",
+               "the gap across the S-SGD sweep"),
+              ("bytes per step, share of S-SGD's", "mean vs S-SGD over the seeds run (%)",
+               "at S-SGD's best rate (circle: ACP-SGD's defaults, triangle: other settings)"))
+    for axis, (xlabel, ylabel, title) in zip(axes, labels):
+        axis.axhline(0, color="grey", lw=0.8)
+        axis.axhline(1, color="grey", lw=0.8, ls="--")
+        axis.set_xscale("log")
+        axis.set_xlabel(xlabel)
+        axis.set_ylabel(ylabel)
+        axis.set_title(title)
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -502,7 +541,12 @@ def report() -> str:
     commands = []
     for recipe in RECIPES:
         best = best_rate(recipe)
-        out += [f"**{recipe.title}**: S-SGD's sweep (seed 0)", "", *sweep_table(recipe), ""]
+        if recipe.rate_from:
+            out += [f"**{recipe.title}**: a check at another world size, at the best rate of "
+                    f"{recipe_of(recipe.rate_from).title.split(',')[0].split(':')[0]} at "
+                    f"{recipe_of(recipe.rate_from).np} ranks (no sweep of its own)", ""]
+        else:
+            out += [f"**{recipe.title}**: S-SGD's sweep (seed 0)", "", *sweep_table(recipe), ""]
         runs = sweep_runs(recipe) + tiebreak_runs(recipe)
         close = contenders(recipe) or []
         if len(close) > 1:
@@ -516,11 +560,15 @@ def report() -> str:
                     f"(mean {', '.join(means) or 'pending'}), and the lower mean is its best.",
                     ""]
         if best is not None:
-            out += [f"At {best}, S-SGD's best rate:", "", *methods_table(recipe, best), ""]
+            table = methods_table(recipe, best)
+            if len(table) > 2:
+                where = f"At {best}:" if recipe.rate_from else f"At {best}, S-SGD's best rate:"
+                out += [where, "", *table, ""]
             runs += method_runs(recipe, best)
         if best is not None and recipe.key in FRONTIER_RECIPES:
             runs += frontier_runs(recipe, best, 0) + frontier_runs(recipe, best, 1)
-        commands += [shell_line(run.command()) for run in runs if run.summary.exists()]
+        commands += [line for line in (shell_line(run.command()) for run in runs
+                                       if run.summary.exists()) if line not in commands]
     out += frontier_report()
     out += ["<details><summary>Exact commands of these runs</summary>", "", "```sh",
             *commands, "```", "</details>", ""]

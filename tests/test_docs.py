@@ -6,6 +6,8 @@
   that file; a figure with an interval cites one.
 - docs/algorithm.md's layout table names every module of the package.
 - One advice on the rank everywhere, matching the default.
+- The AdamW summary of README.md and docs/guide.md is what
+  scripts/lm_study.py writes from bench-results/lm_adam/ today.
 """
 import importlib.util
 import re
@@ -27,15 +29,24 @@ RATIO = re.compile(r"\d+\.\d+x \[\d+\.\d+, \d+\.\d+\]")
 FIGURE = re.compile(r"(?<![\w.])\d+\.\d+(?!\d|\.\d)")
 
 
-@pytest.fixture(scope="module")
-def bench_doc():
-    spec = importlib.util.spec_from_file_location("bench_doc_pages",
-                                                  REPO / "scripts" / "bench_doc.py")
+def load_script(name, alias):
+    spec = importlib.util.spec_from_file_location(alias, REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module          # dataclasses look it up
     spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    return module
+
+
+@pytest.fixture(scope="module")
+def bench_doc():
+    yield load_script("bench_doc", "bench_doc_pages")
+    del sys.modules["bench_doc_pages"]
+
+
+@pytest.fixture(scope="module")
+def lm_study():
+    yield load_script("lm_study", "lm_study_pages")
+    del sys.modules["lm_study_pages"]
 
 
 def units(text: str):
@@ -90,6 +101,19 @@ def test_generated_sections_are_current(bench_doc, page, markers, section):
     assert "No runs in bench-results/ yet." not in lines
     rendered = bench_doc.replace_marked(text, getattr(bench_doc, markers), lines, path)
     assert rendered == text, f"{page} is not what scripts/bench_doc.py writes: run it"
+
+
+@pytest.mark.parametrize("page, prefix", [("README.md", ""), ("docs/guide.md", "../")])
+def test_the_adamw_summary_is_current(lm_study, page, prefix, tmp_path):
+    path = REPO / page
+    copy = tmp_path / path.name
+    copy.write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
+    lm_study.write_summary(copy, prefix=prefix)
+    written = copy.read_text(encoding="utf-8")
+    assert lm_study.SUMMARY_MARKERS[0] in written
+    assert "ACP-SGD defaults vs S-SGD" in written
+    assert written == path.read_text(encoding="utf-8"), \
+        f"{page} is not what scripts/lm_study.py --report-only writes: run it"
 
 
 def test_the_layout_table_names_every_module():
