@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hvd_acp.plan.__main__ import main
-from hvd_acp.plan.node import describe_conditions, no_spare_core, node_conditions
+from hvd_acp.plan.conditions import describe_conditions, no_spare_core, node_conditions
 from hvd_acp.plan.report import predict_grid
 from tests.test_plan import synthetic
 

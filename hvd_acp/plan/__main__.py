@@ -164,7 +164,7 @@ def _builtin(args, nps: Optional[List[int]] = None) -> dict:
 
 def _assumed(profile: dict) -> str:
     """What the profile assumed about a rank, in one line."""
-    from .node import describe_conditions
+    from .conditions import describe_conditions
     return describe_conditions(profile)
 
 

@@ -47,7 +47,7 @@ from ..fusion import DEFAULT_FUSION_THRESHOLD_BYTES, make_layouts
 from ..settings import Settings
 from ..state import CompressedTensor, CompressionState
 from .models import to_device
-from .node import NodeConditions, usable_cores
+from .conditions import NodeConditions, usable_cores
 from .replan import bucket_plans, ddp_buckets
 
 logger = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ def _time_compression(tensor: CompressedTensor, device: torch.device, repeats: i
 
 def alone_conditions(device: torch.device) -> dict:
     """The ``conditions`` of a profile measured in this process alone
-    (:class:`.node.NodeConditions`)."""
+    (:class:`.conditions.NodeConditions`)."""
     return NodeConditions(ranks_per_node=1, threads_per_rank=torch.get_num_threads(),
                           cores=usable_cores(), device=device.type, horovod_thread=False,
                           alone=True).as_dict()

@@ -11,7 +11,7 @@ from ..methods import REGISTRY, get, label
 from .baselines import baseline_costs
 from .cost import Network
 from .link import stack_s_per_byte
-from .node import describe_conditions, no_spare_core
+from .conditions import describe_conditions, no_spare_core
 from .timeline import METHODS, Settings, predict_methods
 
 __all__ = ["predict_grid", "recommend", "crossovers", "write_plan", "format_plan_md"]
@@ -91,7 +91,7 @@ def _settings(profile: dict, np: int, bw: float, latency_us: float, opts: dict) 
 
 def host_serial(profile: dict, opts: dict) -> bool:
     """``--host-serial`` as given, else whether the profile's ranks used every
-    core of a CPU node (:func:`.node.no_spare_core`)."""
+    core of a CPU node (:func:`.conditions.no_spare_core`)."""
     given = opts.get("host_serial")
     return no_spare_core(profile) if given is None else bool(given)
 
