@@ -123,7 +123,8 @@ RECIPES = (
             "ACP-SGD (defaults), step-ahead 0": ("--method", "acp", "--step-ahead", "0"),
             "ACP-SGD (defaults), step-ahead 0.5": ("--method", "acp", "--step-ahead", "0.5"),
             "ACP-SGD (defaults), 30 exact steps first": ("--method", "acp",
-                                                         "--warmup-steps", "30")}),
+                                                         "--warmup-steps", "30"),
+            "ACP-SGD, share 0.75": ("--method", "acp", "--matrix-rank", "0.75")}),
     # Checks at other world sizes, at the rate swept above: the held-out
     # Trainer recipe at 4 ranks, the user's script at 8.
     Recipe("trainer_lm_np4", "scripts/trainer_lm.py: the Trainer's GPT-2, 4 ranks (300 steps)",
@@ -372,7 +373,7 @@ def figure(path: Path) -> None:
     labels = (("peak learning rate (per rank)", "ACP-SGD (defaults) vs S-SGD, seed 0 (%)",
                "the gap across the S-SGD sweep"),
               ("bytes per step, share of S-SGD's", "mean vs S-SGD over the seeds run (%)",
-               "at S-SGD's best rate (circle: ACP-SGD's defaults, triangle: other settings)"))
+               "at S-SGD's best rate (o: the defaults, ^: other settings)"))
     for axis, (xlabel, ylabel, title) in zip(axes, labels):
         axis.axhline(0, color="grey", lw=0.8)
         axis.axhline(1, color="grey", lw=0.8, ls="--")
@@ -429,12 +430,14 @@ def frontier_report() -> List[str]:
     img = REPO / "docs" / "img" / "convergence_lm_frontier.png"
     fig, axes = plt.subplots(1, len(recipes), figsize=(6 * len(recipes), 4.5), squeeze=False)
     out = ["## The transformer frontier: bytes against final loss", "",
-           "Every method a transformer user weighs, on the two 4-rank recipes above, each "
-           "at its best learning rate: the rates around S-SGD's best for DiLoCo and the "
-           "DeMo-style method (seed 0, then seeds 1 and 2 at the best of them), S-SGD's "
-           "best for the compressors (whose gap the sweep above shows flat around it). "
+           "Every method a transformer user weighs, on the two 4-rank recipes above. "
+           "DiLoCo and the DeMo-style method, whose updates are not AdamW's, at their own "
+           "best of the rates around S-SGD's best (seed 0, then seeds 1 and 2 at that "
+           "rate); S-SGD in fp16 and the compressors at S-SGD's best, since they swap in "
+           "under the AdamW run a user tuned. "
            "Bytes are per step and rank as shares of S-SGD's fp32 gradient; the DeMo-style "
-           "method's all-gather receives more than it sends.", "",
+           "method's all-gather receives more than it sends (\"received\": what a rank "
+           "was handed; Horovod's own optimizer does not count it).", "",
            f"![Bytes against final loss](img/{img.name})", ""]
     for axis, recipe in zip(axes[0], recipes):
         best = best_rate(recipe)
@@ -483,7 +486,9 @@ def summary_table() -> List[str]:
             continue
         cell = lambda row: "–" if row is None or not row["gaps"] else \
             f"{statistics.fmean(row['gaps']):+.2f}%"  # noqa: E731
-        out.append(f"| {recipe.title} ([runs](bench-results/lm_adam/results.md)) | {best} | "
+        rate = (f"{best} (as at {recipe_of(recipe.rate_from).np} ranks)" if recipe.rate_from
+                else best)
+        out.append(f"| {recipe.title} ([runs](bench-results/lm_adam/results.md)) | {rate} | "
                    f"{cell(acp)} | {cell(psgd)} | {acp['bytes'] / acp['dense']:.3f} | "
                    f"{len(acp['gaps'])} |")
     return out
