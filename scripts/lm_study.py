@@ -176,17 +176,34 @@ class Run:
 
 
 def read(path: Path) -> Optional[dict]:
-    """(val_loss, bytes per step, S-SGD's bytes per step) of a summary, any script's format."""
+    """val_loss, bytes sent and received per step (received: None where the
+    script does not count it) and S-SGD's bytes per step of a summary, any
+    script's format."""
     if not path.exists():
         return None
     summary = json.loads(path.read_text(encoding="utf-8"))
+    steps = max(summary.get("steps", 1), 1)
     if "bytes_per_step" in summary:
         sent, dense = summary["bytes_per_step"], summary["ssgd_bytes_per_step"]
     else:
-        sent = summary["bytes_sent_per_rank"] / summary["steps"]
-        dense = summary["ssgd_bytes_per_rank"] / summary["steps"]
+        sent = summary["bytes_sent_per_rank"] / steps
+        dense = summary["ssgd_bytes_per_rank"] / steps
+    received = summary.get("bytes_received_per_step",
+                           summary.get("bytes_received_per_rank", 0) / steps)
     return {"loss": summary["val_loss"], "bytes": sent, "dense": dense,
-            "wall_s": summary.get("wall_s")}
+            "received": received or None, "wall_s": summary.get("wall_s")}
+
+
+def seed_results(recipe: Recipe, label: str, rate: str, seeds: Sequence[int],
+                 ssgd: Dict[int, Optional[dict]]) -> Optional[dict]:
+    """The summaries of ``label`` at ``rate`` on those of ``seeds`` that ran
+    (``found``, by seed) and their paired gaps to S-SGD's; None if none ran."""
+    found = {seed: read(Run(recipe, label, rate, seed).summary) for seed in seeds}
+    found = {seed: value for seed, value in sorted(found.items()) if value is not None}
+    if not found:
+        return None
+    return {"found": found, "gaps": [_gap(value["loss"], ssgd[seed]["loss"])
+                                     for seed, value in found.items() if ssgd.get(seed)]}
 
 
 def sweep_runs(recipe: Recipe) -> List[Run]:
@@ -317,16 +334,14 @@ def method_rows(recipe: Recipe, rate: str) -> List[dict]:
     rows = []
     for label in (*recipe.methods, *recipe.extra_methods):
         seeds = recipe.seeds if label in recipe.methods else (0,)
-        found = {seed: read(Run(recipe, label, rate, seed).summary) for seed in seeds}
-        found = {seed: value for seed, value in found.items() if value is not None}
-        if not found:
+        result = seed_results(recipe, label, rate, seeds, ssgd)
+        if result is None:
             continue
-        gaps = [_gap(value["loss"], ssgd[seed]["loss"]) for seed, value in found.items()
-                if ssgd.get(seed)]
+        found = result["found"]
         first = next(iter(found.values()))
-        rows.append({"label": label, "seeds": sorted(found),
-                     "losses": [found[s]["loss"] for s in sorted(found)],
-                     "gaps": gaps, "bytes": first["bytes"], "dense": first["dense"]})
+        rows.append({"label": label, "seeds": list(found),
+                     "losses": [value["loss"] for value in found.values()],
+                     "gaps": result["gaps"], "bytes": first["bytes"], "dense": first["dense"]})
     return rows
 
 
@@ -400,22 +415,16 @@ def frontier_rows(recipe: Recipe, best: str) -> List[dict]:
         rate = own_best(recipe, label, rates) if len(rates) > 1 else rates[0]
         if rate is None:
             continue
-        found = {seed: read(Run(recipe, label, rate, seed).summary) for seed in SEEDS}
-        found = {seed: value for seed, value in found.items() if value is not None}
-        if not found:
+        result = seed_results(recipe, label, rate, SEEDS, ssgd)
+        if result is None:
             continue
-        summaries = [json.loads(Run(recipe, label, rate, seed).summary.read_text())
-                     for seed in found]
-        received = [x.get("bytes_received_per_step",
-                          x.get("bytes_received_per_rank", 0) / max(x.get("steps", 1), 1))
-                    for x in summaries]
-        rows.append({"label": label, "rate": rate, "seeds": sorted(found),
-                     "loss": statistics.fmean(v["loss"] for v in found.values()),
-                     "gaps": [_gap(v["loss"], ssgd[seed]["loss"]) for seed, v in found.items()
-                              if ssgd.get(seed)],
-                     "sent": statistics.fmean(v["bytes"] for v in found.values()) / next(
-                         iter(found.values()))["dense"],
-                     "received": (statistics.fmean(received) / next(iter(found.values()))["dense"]
+        found = list(result["found"].values())
+        received = [value["received"] for value in found]
+        rows.append({"label": label, "rate": rate, "seeds": list(result["found"]),
+                     "loss": statistics.fmean(value["loss"] for value in found),
+                     "gaps": result["gaps"],
+                     "sent": statistics.fmean(value["bytes"] for value in found) / found[0]["dense"],
+                     "received": (statistics.fmean(received) / found[0]["dense"]
                                   if all(received) else None)})
     return rows
 
