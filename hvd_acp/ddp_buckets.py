@@ -9,7 +9,7 @@ names, settings or optimizers: :class:`hvd_acp.ddp.ACPState` does.
 """
 import threading
 import time
-from typing import Dict, List
+from typing import List
 
 import torch
 import torch.distributed as dist
@@ -47,8 +47,6 @@ class BucketReducer:
         #: all-reduce is done before its hook runs again (DDP waits for every
         #: bucket at the end of backward).
         self._buffers = BufferCache()
-        #: The float16 copies of the payloads that travel in fp16, by plan.
-        self._fp16: Dict[tuple, Tensor] = {}
 
     def agree(self, device: torch.device, facts: dict) -> None:
         """Raise the same ``ValueError`` on every rank unless ``facts`` (settings
@@ -79,10 +77,10 @@ class BucketReducer:
         phase, iteration, probing = state.phase, state.step_count, state.probing
 
         started = time.perf_counter()
-        key = (bucket.index(), phase, tuple(names), state.layout_version, str(buffer.device))
         plan = self._buffers.get(
-            key, lambda: [one_bucket([state.layouts[n] for n in names], phase,
-                                     f"bucket.{bucket.index()}")], buffer.device)
+            (bucket.index(), phase, tuple(names), state.layout_version, str(buffer.device)),
+            lambda: [one_bucket([state.layouts[n] for n in names], phase,
+                                f"bucket.{bucket.index()}")], buffer.device)
         members = plan.members[0]
         compressed = [n for n in names if n in state.tensors] if phase is not Phase.DENSE else []
         bases = state.orthonormal_bases(phase, compressed)
@@ -95,14 +93,7 @@ class BucketReducer:
         self._spent(time.perf_counter() - started)
 
         payload = plan.buffers[0]
-        sent = payload
-        if fp16_wire and payload.dtype != torch.float16:
-            sent = self._fp16.get(key)
-            if sent is None or sent.numel() != payload.numel():
-                if len(self._fp16) >= self._buffers.limit:
-                    self._fp16.clear()
-                sent = self._fp16[key] = torch.empty_like(payload, dtype=torch.float16)
-            sent.copy_(payload)
+        sent = plan.fp16_copy(0) if fp16_wire and payload.dtype != torch.float16 else payload
         with self._lock:
             self.comm_stats.allreduces += 1
             self.comm_stats.bytes_sent += sent.numel() * sent.element_size()

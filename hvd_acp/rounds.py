@@ -33,6 +33,8 @@ class Plan:
         views: name -> its slot of a buffer, in the slot's shape.
         where: name -> index of its bucket.
         members: per bucket, (name, view) of its slots in slot order.
+        fp16: bucket index -> the float16 copy of its buffer that travels
+            where the wire is fp16 (:meth:`fp16_copy`).
     """
 
     buckets: List[Bucket]
@@ -40,6 +42,15 @@ class Plan:
     views: Dict[str, Tensor]
     where: Dict[str, int]
     members: List[List[Tuple[str, Tensor]]]
+    fp16: Dict[int, Tensor] = dataclasses.field(default_factory=dict)
+
+    def fp16_copy(self, index: int) -> Tensor:
+        """Buffer ``index`` copied into its float16 twin (made once, kept with the plan)."""
+        buffer = self.buffers[index]
+        copy = self.fp16.get(index)
+        if copy is None:
+            copy = self.fp16[index] = torch.empty_like(buffer, dtype=torch.float16)
+        return copy.copy_(buffer)
 
 
 class BufferCache:
