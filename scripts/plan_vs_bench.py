@@ -17,7 +17,9 @@ process alone, as the planner profiled before issue 33, for comparison).
 Writes ``defaults.json`` and ``defaults.md`` (a table: run, method, measured,
 predicted, error; then the counts against the targets and, for every pair
 of methods whose measured interval separates them, whether the predicted
-order agrees) and prints them.
+order agrees) and prints them. With ``--doc docs/planner.md`` the same text
+goes between ``<!-- planval -->`` and ``<!-- end planval -->`` of that page;
+``--report-only`` renders ``OUT/defaults.json`` again without profiling.
 """
 from __future__ import annotations
 
@@ -30,8 +32,13 @@ from typing import Dict, List, Tuple
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+sys.path.insert(0, str(REPO / "scripts"))
+
+from bench_doc import replace_marked  # noqa: E402  (scripts/, beside this file)
 from hvd_acp.methods import label  # noqa: E402
 from hvd_acp.plan.__main__ import main as plan_main  # noqa: E402
+
+MARKERS = ("<!-- planval -->", "<!-- end planval -->")
 
 #: A prediction within this fraction of the measurement meets the target.
 TARGET = 0.20
@@ -114,27 +121,56 @@ def markdown(found: List[dict]) -> str:
         lines.append(f"Order: {len(pairs) - len(wrong)} of {len(pairs)} pairs of methods whose "
                      "measured interval separates them are predicted in the measured order"
                      + (": " + "; ".join(wrong) if wrong else "."))
-    assumed = sorted({run["assumed"] for run in found if run.get("assumed")})
-    if assumed:
-        lines.append("Profiles: " + "; ".join(assumed) + ".")
+    lines += _profiles(found)
     return "\n".join(lines)
+
+
+def _profiles(found: List[dict]) -> List[str]:
+    """What the profiles assumed: the common conditions once, then each
+    model and batch's own DDP compute scale where the text gives one."""
+    seen: Dict[str, str] = {}
+    for run in found:
+        if run.get("assumed"):
+            seen.setdefault(f"{run['model']} batch {run['batch_size']}", run["assumed"])
+    if not seen:
+        return []
+    split = "; the DDP hook's compute"
+    heads = {text.split(split)[0] for text in seen.values()}
+    if len(heads) != 1 or not all(split in text for text in seen.values()):
+        return ["Profiles: " + "; ".join(f"{k}: {v}" for k, v in seen.items()) + "."]
+    tails = ", ".join(f"{key} {text.split('(')[-1].rstrip(')')}" for key, text in seen.items())
+    return [f"Profiles (one per model and batch): {heads.pop()}; the DDP hook's compute "
+            f"from the same ranks without Horovod's thread ({tails})."]
 
 
 def main(argv: List[str] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", type=Path, nargs="+", help="the runs' results.json")
+    parser.add_argument("results", type=Path, nargs="*", help="the runs' results.json")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--alone", action="store_true",
                         help="profile one process alone (hvd-acp-plan --alone) instead of "
                              "every local rank at once")
+    parser.add_argument("--doc", type=Path, default=None,
+                        help="a page with the markers %s and %s" % MARKERS)
+    parser.add_argument("--report-only", action="store_true",
+                        help="render OUT/defaults.json again (no profiling, no prediction)")
     args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    profiles: Dict[Tuple, Path] = {}
-    extra = ["--alone"] if args.alone else []
-    found = [_predict(path.resolve(), args.out, profiles, extra) for path in args.results]
+    if args.report_only:
+        found = json.loads((args.out / "defaults.json").read_text())
+    else:
+        if not args.results:
+            parser.error("give the runs' results.json (or --report-only)")
+        args.out.mkdir(parents=True, exist_ok=True)
+        profiles: Dict[Tuple, Path] = {}
+        extra = ["--alone"] if args.alone else []
+        found = [_predict(path.resolve(), args.out, profiles, extra) for path in args.results]
+        (args.out / "defaults.json").write_text(json.dumps(found, indent=1) + "\n")
     text = markdown(found)
-    (args.out / "defaults.json").write_text(json.dumps(found, indent=1) + "\n")
     (args.out / "defaults.md").write_text(text + "\n")
+    if args.doc is not None:
+        page = args.doc.read_text(encoding="utf-8")
+        args.doc.write_text(replace_marked(page, MARKERS, text.split("\n"), args.doc),
+                            encoding="utf-8")
     print(text)
     return 0
 

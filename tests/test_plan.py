@@ -117,6 +117,27 @@ def test_calibrate_link_measures_the_emulated_network(tmp_path, capsys):
     assert "bandwidth must" in capsys.readouterr().err
 
 
+def test_the_tcp_stack_a_cpu_profile_measures_is_charged_unless_replaced():
+    """A CPU profile's loopback TCP cost is charged on every all-reduce by
+    default; --no-tcp-stack removes it and a link calibration replaces it."""
+    from hvd_acp.plan.link import loopback_tcp_s_per_byte
+    from hvd_acp.plan.report import predict_grid, stack_cost
+    measured = loopback_tcp_s_per_byte(nbytes=32 << 20)
+    assert 0 < measured < 1e-7          # a kernel copy costs well under 100 ns a byte
+    prof = synthetic([{"name": "w", "bytes": 4_000_000, "ready_s": 2.0}])   # at backward's end
+    base = predict_grid(prof, [2], [80.0], [0.0])[0]["methods"]["ssgd"]["step_s"]
+    prof["tcp_stack_s_per_byte"] = 1e-7
+    charged = predict_grid(prof, [2], [80.0], [0.0])[0]["methods"]["ssgd"]["step_s"]
+    # 2 ranks: each moves 2 (N - 1) / N = 1 times the 4 MB, at 1e-7 s a byte.
+    assert charged - base == pytest.approx(0.4, rel=1e-6)
+    assert predict_grid(prof, [2], [80.0], [0.0], {"no_tcp_stack": True})[0][
+        "methods"]["ssgd"]["step_s"] == pytest.approx(base)
+    link = {"stack_s_per_byte": 2e-7}
+    assert stack_cost(prof, link, 80.0, {"link_source": "l.json"}) == (2e-7, "`l.json`")
+    assert stack_cost(prof, None, 80.0, {})[0] == 1e-7
+    assert stack_cost(prof, None, 80.0, {"no_tcp_stack": True}) == (0.0, None)
+
+
 def test_link_calibration_file_and_interpolation(tmp_path):
     from hvd_acp.plan.link import read_link, stack_s_per_byte
     link = {"kind": "hvd-acp link calibration", "format": 1, "stack_s_per_byte": 2e-9,
@@ -694,3 +715,24 @@ def test_the_paper_table_of_planner_md_is_what_the_script_writes(monkeypatch):
     # The rows are the paper's settings: 2 models x 3 networks x 8-64 GPUs.
     assert len(rows) == 24 and {r["np"] for r in rows} == {8, 16, 32, 64}
     assert all(r["vs_ssgd"] > 0.95 for r in rows)
+
+
+def test_the_defaults_table_of_planner_md_is_what_plan_vs_bench_writes(monkeypatch):
+    """docs/planner.md's table of the planner's defaults against the eight
+    benchmark runs is rendered from bench-results/planval/defaults, and each
+    measured figure in it is the one in the run's own results.json."""
+    import importlib
+    from tests.hvdrun import REPO
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    script = importlib.import_module("plan_vs_bench")
+    found = json.loads((REPO / "bench-results/planval/defaults/defaults.json").read_text())
+    page = REPO / "docs" / "planner.md"
+    text = page.read_text(encoding="utf-8")
+    rendered = script.replace_marked(text, script.MARKERS, script.markdown(found).split("\n"),
+                                     page)
+    assert rendered == text, "docs/planner.md is not what scripts/plan_vs_bench.py writes"
+    assert len(found) == 8
+    for run in found:
+        bench = json.loads((REPO / run["run"] / "results.json").read_text())
+        for method, row in run["methods"].items():
+            assert row["measured_step_s"] == bench["methods"][method]["step_s_median"]

@@ -93,10 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="host cost per byte of an all-reduce (default: the profile's)")
     pred.add_argument("--wire-efficiency", type=_positive_float, default=None,
                       help="payload share of the link rate (default 1448/1514, TCP on Ethernet)")
+    pred.add_argument("--no-tcp-stack", action="store_true",
+                      help="charge no network stack CPU work (default on a CPU profile: this "
+                           "host's TCP over loopback, measured by the profile)")
     pred.add_argument("--link-calibration", type=Path, default=None,
                       help="a link calibration (python -m benchmarks calibrate-link): add "
-                           "its network stack's CPU cost per byte to every all-reduce "
-                           "(default: none, as where the NIC does it)")
+                           "its network stack's CPU cost per byte to every all-reduce, "
+                           "instead of the profile's TCP over loopback")
     pred.add_argument("--host-serial", action=argparse.BooleanOptionalAction, default=None,
                       help="the collectives' host work delays computation (no spare core per "
                            "rank, e.g. a CPU cluster with a rank per core; default: where the "
@@ -233,7 +236,8 @@ def _predict(parser, args, command: str) -> int:
             "negotiation_us": args.horovod_negotiation_us,
             "host_s_per_byte": args.host_s_per_byte, "wire_efficiency": args.wire_efficiency,
             "gpus_per_node": args.gpus_per_node, "intra_bandwidth_mbit": intra,
-            "intra_latency_us": args.intra_latency_us, "host_serial": args.host_serial}
+            "intra_latency_us": args.intra_latency_us, "host_serial": args.host_serial,
+            "no_tcp_stack": args.no_tcp_stack}
     if args.link_calibration is not None:
         opts["link"] = _read_link(args.link_calibration)
         opts["link_source"] = str(args.link_calibration)

@@ -15,15 +15,26 @@ ring all-reduce each rank sends and receives ``2(N-1)/N * n`` bytes, so it
 is charged ``2(N-1)/N * n * stack_s_per_byte``
 (:class:`.cost.Network.stack_s_per_byte`). This module reads such a file
 (``--link-calibration``) and interpolates it at a link rate.
+
+Without a calibration file the planner charges, on a CPU profile, what the
+host's own TCP stack costs per byte: :func:`loopback_tcp_s_per_byte`, which
+the profile measures by sending over 127.0.0.1 (a Gloo rank on a CPU node
+sends its all-reduce through that kernel path too; the copies into and out
+of the kernel are there on any TCP link, the emulated network's veth pairs,
+bridge and token buckets come on top of them).
 """
 from __future__ import annotations
 
 import math
+import socket
+import threading
+import time
 from typing import Optional
 
 from .profile_format import read_json
 
-__all__ = ["LINK_FORMAT", "LINK_KIND", "read_link", "stack_s_per_byte"]
+__all__ = ["LINK_FORMAT", "LINK_KIND", "loopback_tcp_s_per_byte", "read_link",
+           "stack_s_per_byte"]
 
 #: Format version of a link calibration file, and its ``kind``.
 LINK_FORMAT = 1
@@ -59,3 +70,41 @@ def stack_s_per_byte(link: Optional[dict], rate_mbit: float) -> float:
                  / math.log(hi["rate_mbit"] / lo["rate_mbit"]))
             return float(lo["stack_s_per_byte"] * (1 - w) + hi["stack_s_per_byte"] * w)
     return float(rows[-1]["stack_s_per_byte"])
+
+
+def loopback_tcp_s_per_byte(nbytes: int = 256 << 20, chunk: int = 4 << 20) -> float:
+    """CPU seconds per byte of a TCP transfer over 127.0.0.1, sender and
+    receiver together (this process's CPU time over the bytes moved).
+
+    The receiver is a thread of this process; both sides spend their time
+    in the kernel's socket calls, which release the GIL.
+    """
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    received = [0]
+
+    def receive() -> None:
+        conn, _ = server.accept()
+        with conn:
+            view = memoryview(bytearray(chunk))
+            while received[0] < nbytes:
+                got = conn.recv_into(view)
+                if not got:
+                    break
+                received[0] += got
+
+    thread = threading.Thread(target=receive, daemon=True)
+    thread.start()
+    data = bytes(chunk)
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            started = time.process_time()
+            for _ in range(nbytes // chunk):
+                conn.sendall(data)
+            thread.join(timeout=60)
+            spent = time.process_time() - started
+    finally:
+        server.close()
+    if thread.is_alive() or received[0] < nbytes // chunk * chunk:
+        raise RuntimeError("loopback TCP transfer did not complete")
+    return spent / (nbytes // chunk * chunk)

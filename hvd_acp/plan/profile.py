@@ -22,7 +22,10 @@ Measured in one process, no communication:
   :func:`hvd_acp.fusion.plan_buckets` (the optimizer's own plan), and DDP's
   buckets for the DDP hook in the order the gradients arrived;
 - ``host_s_per_byte``: a fused all-reduce's own work per byte on this device
-  (copy into the fusion buffer, add a peer's chunk, copy out).
+  (copy into the fusion buffer, add a peer's chunk, copy out);
+- ``tcp_stack_s_per_byte`` (CPU profiles): the kernel's TCP work per byte
+  sent and received over loopback (:func:`.link.loopback_tcp_s_per_byte`),
+  which a Gloo rank's all-reduce pays on a CPU node.
 
 The conditions it ran under (``conditions``: ranks computing at once on the
 node, threads per rank, Horovod's background thread) are the caller's to
@@ -48,6 +51,7 @@ from ..settings import Settings
 from ..state import CompressedTensor, CompressionState
 from .models import to_device
 from .conditions import NodeConditions, usable_cores
+from .link import loopback_tcp_s_per_byte
 from .replan import bucket_plans, ddp_buckets
 
 logger = logging.getLogger(__name__)
@@ -327,6 +331,7 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
         "optimizer_s": statistics.median(timed["optimizer_s"]),
         "gradient_bytes": sum(e["bytes"] for e in params),
         "host_s_per_byte": _host_s_per_byte(dev, repeats),
+        **({"tcp_stack_s_per_byte": loopback_tcp_s_per_byte()} if dev.type == "cpu" else {}),
         "orthonormalize_s": {"acp_p": orth_q, "acp_q": orth_p, "psgd": orth_p},
         "params": params,
         "ready_order": timed["order"],

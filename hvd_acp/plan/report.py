@@ -76,7 +76,7 @@ def _settings(profile: dict, np: int, bw: float, latency_us: float, opts: dict) 
     net = Network(bandwidth_mbit=bw, latency_s=latency_us * 1e-6,
                   wire_efficiency=opts.get("wire_efficiency") or Network.wire_efficiency,
                   host_s_per_byte=profile.get("host_s_per_byte", 0.0) if host is None else host,
-                  stack_s_per_byte=stack_s_per_byte(link, bw),
+                  stack_s_per_byte=stack_cost(profile, link, bw, opts)[0],
                   gpus_per_node=opts.get("gpus_per_node") or 1,
                   intra_bandwidth_mbit=opts.get("intra_bandwidth_mbit"),
                   intra_latency_s=(opts.get("intra_latency_us") or 0.0) * 1e-6)
@@ -87,6 +87,18 @@ def _settings(profile: dict, np: int, bw: float, latency_us: float, opts: dict) 
                     compute_scale=scale, ddp_compute_scale=ddp_scale,
                     host_serial=host_serial(profile, opts),
                     horovod_negotiation_s=(opts.get("negotiation_us") or 0.0) * 1e-6)
+
+
+def stack_cost(profile: dict, link: Optional[dict], bw: float, opts: dict):
+    """(seconds per byte, where from) of the network stack's CPU work: the
+    link calibration where one is given, else the host's TCP stack over
+    loopback that a CPU profile measured (``--no-tcp-stack``: none)."""
+    if link:
+        return stack_s_per_byte(link, bw), f"`{opts.get('link_source')}`"
+    tcp = profile.get("tcp_stack_s_per_byte")
+    if tcp and not opts.get("no_tcp_stack"):
+        return float(tcp), "this host's TCP over loopback, measured by the profile"
+    return 0.0, None
 
 
 def host_serial(profile: dict, opts: dict) -> bool:
@@ -140,8 +152,8 @@ def format_plan_md(plan: dict) -> str:
              + f"; Horovod cycle "
              f"{cfg['cycle_time_ms']:g} ms; host cost {cfg['host_s_per_byte'] * 1e9:.2f} ns/byte"
              + (f"; network stack {cfg['stack_s_per_byte'] * 1e9:.2f} ns/byte at "
-                f"{_fmt_bw(cfg['bandwidth_mbit'][0])} (`{cfg['link_calibration']}`)"
-                if cfg.get("link_calibration") else "") + "; "
+                f"{_fmt_bw(cfg['bandwidth_mbit'][0])} ({cfg['stack_source']})"
+                if cfg.get("stack_source") else "") + "; "
              f"wire efficiency {cfg['wire_efficiency']:.3f}"
              + (f"; {cfg['gpus_per_node']} GPUs per node at "
                 f"{_fmt_bw(cfg['intra_bandwidth_mbit'])}" if cfg.get("gpus_per_node", 1) > 1
@@ -264,6 +276,7 @@ def write_plan(profile: dict, out: Path, nps: Sequence[int], bandwidths_mbit: Se
         "host_s_per_byte": first.network.host_s_per_byte,
         "link_calibration": opts.get("link_source"),
         "stack_s_per_byte": first.network.stack_s_per_byte,
+        "stack_source": stack_cost(profile, opts.get("link"), bandwidths_mbit[0], opts)[1],
         "gpus_per_node": first.network.gpus_per_node,
         "intra_bandwidth_mbit": first.network.intra_bandwidth_mbit, "command": command,
         "host_serial": first.host_serial, "ddp_compute_scale": first.ddp_compute_scale,
