@@ -64,6 +64,7 @@ RUNS_MARKERS = ("<!-- runs -->", "<!-- end runs -->")
 TARGETS_MARKERS = ("<!-- targets -->", "<!-- end targets -->")
 TIME_MARKERS = ("<!-- time -->", "<!-- end time -->")
 BASELINE_MARKERS = ("<!-- baselines -->", "<!-- end baselines -->")
+FRONTIER_MARKERS = ("<!-- frontier -->", "<!-- end frontier -->")
 README_MARKERS = ("<!-- bench:readme -->", "<!-- end bench:readme -->")
 DDP_MARKERS = ("<!-- bench:ddp -->", "<!-- end bench:ddp -->")
 RERUN_SUFFIX = "_rerun"
@@ -204,6 +205,13 @@ ABLATIONS = (
     ("acp-fp16", "fp32 on the wire: the same buffers sent in fp16, half the bytes"),
 )
 #: Operator calls per step: (``--count-ops`` run, what it is).
+#: The transformer user's alternatives (DiLoCo, the DeMo-style method) timed
+#: beside ACP-SGD and every Power-SGD in the same rounds.
+FRONTIER_RUNS = (
+    ("bert-base_200mbit_frontier", "BERT-Base, batch 8, 200 Mbit/s"),
+    ("resnet50_100mbit_frontier", "ResNet-50, batch 16, 100 Mbit/s"),
+)
+
 OPS_RUNS = (
     ("ops_resnet50", "ResNet-50"),
     ("ops_bert-base", "BERT-Base"),
@@ -366,6 +374,45 @@ def baselines_section(results_dir: Path) -> List[str]:
             cells = [results["methods"].get(method) or {} for _, _, results in ops]
             lines.append(f"| {label(method)} | " + " | ".join(_ops_cell(c) for c in cells) + " |")
     return lines or ["No runs in bench-results/ yet."]
+
+
+def frontier_section(results_dir: Path, page: Path) -> List[str]:
+    """Step time and bytes of DiLoCo and the DeMo-style method beside ACP-SGD
+    and every Power-SGD, one table per run of :data:`FRONTIER_RUNS`."""
+    lines: List[str] = []
+    for run, title in FRONTIER_RUNS:
+        results = load(results_dir, run)
+        if results is None:
+            continue
+        lines += [f"{title} ({_run_link(results_dir, run, page)}, "
+                  f"{results.get('rounds') or 1} rounds):", "",
+                  "| method | step (s) [interval] | sent per step per rank (MB) "
+                  "| received per step (MB) | its step / ACP-SGD's |",
+                  "|---|---:|---:|---:|---|"]
+        for method, entry in results["methods"].items():
+            analytic = entry.get("bytes_sent_per_step_analytic")
+            sent = analytic or entry.get("bytes_sent_per_step")
+            received = entry.get("bytes_received_per_step")
+            if analytic and not received and method == "diloco":
+                received = analytic         # its all-reduce, every H steps: what it sends
+            ratio = report.find_ratio(results, method, "acp", "step")
+            lines.append(
+                f"| {label(method)} | {entry['step_s_median']:.3f} "
+                f"[{entry['step_s_low']:.3f}, {entry['step_s_high']:.3f}] "
+                f"| {sent / 1e6:.3f} | "
+                + ("n/a" if received is None else f"{received / 1e6:.3f}") + " | "
+                + ("1" if method == "acp" else
+                   f"{_ratio_text(ratio)}, {_verdict_word(ratio)}" if ratio else "n/a") + " |")
+        lines.append("")
+    if not lines:
+        return ["No runs in bench-results/ yet."]
+    return lines + [
+        "DiLoCo sends every parameter once every H steps (500 here, its paper's): "
+        "the timed steps are inner steps, and its bytes are that all-reduce over H "
+        "(sent and received). "
+        "The DeMo-style method all-gathers its coefficients: each rank receives the "
+        "other ranks' parts. Which one trains a transformer to a lower loss per byte "
+        "is in docs/convergence.md, \"The transformer frontier\"."]
 
 
 def _ops_cell(entry: Dict[str, Any]) -> str:
@@ -582,6 +629,8 @@ def main(argv=None) -> int:
     text = replace_marked(text, TARGETS_MARKERS, targets_table(args.results), args.doc)
     text = replace_marked(text, TIME_MARKERS, time_table(args.results), args.doc)
     text = replace_marked(text, BASELINE_MARKERS, baselines_section(args.results), args.doc)
+    text = replace_marked(text, FRONTIER_MARKERS, frontier_section(args.results, args.doc),
+                          args.doc)
     args.doc.write_text(text, encoding="utf-8")
     print(f"wrote {args.doc}")
     return 0

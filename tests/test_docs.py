@@ -1,7 +1,7 @@
 """Docs that cannot drift from the runs and the code they describe.
 
-- The sections of README.md and docs/ddp.md that scripts/bench_doc.py writes
-  are what it writes from bench-results/ today.
+- The sections of README.md, docs/ddp.md and docs/benchmarks.md's frontier
+  that scripts/bench_doc.py writes are what it writes from bench-results/ today.
 - Every figure quoted beside a link to a run's file in bench-results/ is in
   that file; a figure with an interval cites one.
 - docs/algorithm.md's layout table names every module of the package.
@@ -93,6 +93,7 @@ def test_a_figure_missing_from_its_run_is_caught(tmp_path):
 @pytest.mark.parametrize("page, markers, section", [
     ("README.md", "README_MARKERS", "readme_section"),
     ("docs/ddp.md", "DDP_MARKERS", "ddp_section"),
+    ("docs/benchmarks.md", "FRONTIER_MARKERS", "frontier_section"),
 ])
 def test_generated_sections_are_current(bench_doc, page, markers, section):
     path = REPO / page
