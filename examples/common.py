@@ -253,20 +253,24 @@ class ByteMeter:
 
     hvd_acp's optimizers count their own traffic (``comm_stats``);
     ``hvd.DistributedOptimizer`` does not, so for S-SGD the count is one
-    full gradient per step, which is what it submits. An all-reduce hands
+    full gradient per step, which is what it submits (half of it with
+    ``fp16``: ``hvd.Compression.fp16`` sends each float32 gradient as
+    float16). An all-reduce hands
     back as many bytes as it was handed; the DeMo-style method's all-gather
     hands back every other rank's part, which its ``comm_stats`` count.
     """
 
-    def __init__(self, optimizer, model: nn.Module):
+    def __init__(self, optimizer, model: nn.Module, fp16: bool = False):
         self._stats = getattr(optimizer, "comm_stats", None)
         self._start = self._stats.bytes_sent if self._stats is not None else 0
         self._start_received = getattr(self._stats, "bytes_received", 0)
         self.dense_bytes_per_step = gradient_bytes(model)
+        self._fp16 = fp16
 
     def sent(self, steps: int) -> int:
         if self._stats is None:
-            return steps * self.dense_bytes_per_step
+            return steps * (self.dense_bytes_per_step // 2 if self._fp16
+                            else self.dense_bytes_per_step)
         return self._stats.bytes_sent - self._start
 
     def received(self, steps: int) -> int:

@@ -198,7 +198,7 @@ def main(argv=None) -> dict:
         optimizer, lambda step: lr_factor(step, args.lr_warmup_steps, total_steps))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    meter = ByteMeter(optimizer, model)
+    meter = ByteMeter(optimizer, model, fp16=args.optimizer == "ssgd-fp16")
 
     if is_root:
         n_params = sum(p.numel() for p in model.parameters())

@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.hvdrun import horovodrun, requires_emulation, torchrun
 
@@ -204,3 +205,17 @@ def test_compare_runs_the_digits_over_an_emulated_link(tmp_path):
     assert "## Digits CNN over an emulated 1000 Mbit/s link" in text
     assert "time to 95% test accuracy" in text
     assert (img / "convergence_digits_link.png").stat().st_size > 0
+
+
+def test_byte_meter_counts_horovods_fp16_compression_as_half():
+    """S-SGD under hvd.Compression.fp16 sends half of each float32 gradient:
+    the meter counts that, and S-SGD's own reference stays the full gradient."""
+    spec = importlib.util.spec_from_file_location("examples_common_meter", EXAMPLES / "common.py")
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    model = torch.nn.Linear(10, 6)                          # 66 float32 parameters
+    full = common.ByteMeter(object(), model)
+    half = common.ByteMeter(object(), model, fp16=True)
+    assert full.sent(3) == 3 * 264 and half.sent(3) == 3 * 132
+    assert half.ssgd(3) == full.ssgd(3) == 3 * 264
+    assert half.received(3) == half.sent(3)
