@@ -629,8 +629,9 @@ def main(argv=None) -> int:
     text = replace_marked(text, TARGETS_MARKERS, targets_table(args.results), args.doc)
     text = replace_marked(text, TIME_MARKERS, time_table(args.results), args.doc)
     text = replace_marked(text, BASELINE_MARKERS, baselines_section(args.results), args.doc)
-    text = replace_marked(text, FRONTIER_MARKERS, frontier_section(args.results, args.doc),
-                          args.doc)
+    if all(marker in text for marker in FRONTIER_MARKERS):     # a page may leave it out
+        text = replace_marked(text, FRONTIER_MARKERS, frontier_section(args.results, args.doc),
+                              args.doc)
     args.doc.write_text(text, encoding="utf-8")
     print(f"wrote {args.doc}")
     return 0
