@@ -204,7 +204,6 @@ ABLATIONS = (
     ("acp-nofusion", "fusion: one all-reduce per tensor, still launched from the hooks"),
     ("acp-fp16", "fp32 on the wire: the same buffers sent in fp16, half the bytes"),
 )
-#: Operator calls per step: (``--count-ops`` run, what it is).
 #: The transformer user's alternatives (DiLoCo, the DeMo-style method) timed
 #: beside ACP-SGD and every Power-SGD in the same rounds.
 FRONTIER_RUNS = (
@@ -212,6 +211,7 @@ FRONTIER_RUNS = (
     ("resnet50_100mbit_frontier", "ResNet-50, batch 16, 100 Mbit/s"),
 )
 
+#: Operator calls per step: (``--count-ops`` run, what it is).
 OPS_RUNS = (
     ("ops_resnet50", "ResNet-50"),
     ("ops_bert-base", "BERT-Base"),

@@ -72,23 +72,34 @@ def stack_s_per_byte(link: Optional[dict], rate_mbit: float) -> float:
     return float(rows[-1]["stack_s_per_byte"])
 
 
-def loopback_tcp_s_per_byte(nbytes: int = 256 << 20, chunk: int = 4 << 20) -> float:
+def loopback_tcp_s_per_byte(nbytes: int = 256 << 20, chunk: int = 4 << 20,
+                            timeout_s: float = 60.0) -> float:
     """CPU seconds per byte of a TCP transfer over 127.0.0.1, sender and
     receiver together (this process's CPU time over the bytes moved).
 
     The receiver is a thread of this process; both sides spend their time
-    in the kernel's socket calls, which release the GIL.
+    in the kernel's socket calls, which release the GIL. Every socket call
+    gives up after ``timeout_s`` (``RuntimeError``), so a stuck transfer
+    cannot hang a profile.
     """
     server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(timeout_s)
     port = server.getsockname()[1]
     received = [0]
 
     def receive() -> None:
-        conn, _ = server.accept()
+        try:
+            conn, _ = server.accept()
+        except OSError:
+            return
         with conn:
+            conn.settimeout(timeout_s)
             view = memoryview(bytearray(chunk))
             while received[0] < nbytes:
-                got = conn.recv_into(view)
+                try:
+                    got = conn.recv_into(view)
+                except OSError:
+                    return
                 if not got:
                     break
                 received[0] += got
@@ -97,12 +108,14 @@ def loopback_tcp_s_per_byte(nbytes: int = 256 << 20, chunk: int = 4 << 20) -> fl
     thread.start()
     data = bytes(chunk)
     try:
-        with socket.create_connection(("127.0.0.1", port)) as conn:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as conn:
             started = time.process_time()
             for _ in range(nbytes // chunk):
                 conn.sendall(data)
-            thread.join(timeout=60)
+            thread.join(timeout=timeout_s)
             spent = time.process_time() - started
+    except OSError as error:
+        raise RuntimeError(f"loopback TCP transfer failed: {error}") from error
     finally:
         server.close()
     if thread.is_alive() or received[0] < nbytes // chunk * chunk:
