@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import List, Optional
 
 from hvd_acp.methods import KEYS
-from hvd_acp.plan.models import DEFAULT_BATCH_SIZE, MODELS, default_matrix_rank
+from hvd_acp.plan.models import (DEFAULT_BATCH_SIZE, DEFAULT_USER_BATCH_SIZE, MODELS,
+                                  check_model_name, default_batch_size, default_matrix_rank)
 from hvd_acp.plan.units import matrix_rank_type, number_type, parse_bandwidth, positive_int
 
 from .netem import NetworkSetupError, check_can_emulate
 from .stats import parse_methods
+from .worker import OPTIMIZERS, model_file
 
 PROG = "python -m benchmarks"
 #: The smallest number of rounds for which a distribution-free interval of
@@ -29,6 +31,18 @@ DEFAULT_ROUNDS = 6
 
 
 _non_negative = number_type(int, lambda v: v >= 0, "an int >= 0")
+
+
+def _model_name(text: str) -> str:
+    """``--model``: a built-in model or a user's ``module:function``, as the planner takes it."""
+    try:
+        name = check_model_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    path = model_file(name)
+    if path is not None and not path.is_file():
+        raise argparse.ArgumentTypeError(f"--model {name!r}: no file {path.resolve()}")
+    return name
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,14 +57,33 @@ def build_parser() -> argparse.ArgumentParser:
                "calibrate-link -h).")
     parser.add_argument("--methods", default=",".join(KEYS),
                         help=f"comma-separated subset of {','.join(KEYS)} (default: all)")
-    parser.add_argument("--model", default="resnet50", choices=MODELS)
+    parser.add_argument("--model", type=_model_name, default="resnet50",
+                        help=f"a built-in model ({', '.join(MODELS)}; default resnet50) or "
+                             "your own as package.module:function or "
+                             "path/to/file.py:function (relative to the current directory), "
+                             "as hvd-acp-plan takes it: called as function(batch_size), it "
+                             "returns (model, batch) or (model, batch, loss_fn); e.g. "
+                             "examples/train_lm.py:benchmark_model")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                        help="the torch optimizer of every job (floor, methods, "
+                             "diagnostics), at lr 0.01: sgd, SGD with momentum 0.9 (default); "
+                             "adamw, AdamW (its other settings torch's defaults), the methods "
+                             "then taking hvd_acp's defaults for an adaptive optimizer unless "
+                             "--matrix-rank is given")
     parser.add_argument("--np", type=positive_int, default=2, help="ranks (default 2)")
     parser.add_argument("--batch-size", type=positive_int, default=None,
                         help="per rank (default: " + ", ".join(
-                            f"{m} {b}" for m, b in DEFAULT_BATCH_SIZE.items()) + ")")
+                            f"{m} {b}" for m, b in DEFAULT_BATCH_SIZE.items())
+                        + f", your model {DEFAULT_USER_BATCH_SIZE})")
     parser.add_argument("--matrix-rank", type=matrix_rank_type, default=None,
-                        help="factor rank, or 'auto' for a rank per tensor (default: 4 for "
-                             "resnet50 and small, 32 for bert-base)")
+                        help="factor rank, a share of each matrix's smaller side in (0, 1), "
+                             "or 'auto' for a rank per tensor (default with --optimizer sgd: "
+                             "4 for resnet50, small and your model, 32 for bert-base; with "
+                             "--optimizer adamw none is passed and each method resolves "
+                             "hvd_acp's adaptive defaults (hvd_acp.Settings: ACP-SGD half of "
+                             "each matrix's smaller side, Power-SGD a quarter, fp16 on the "
+                             "wire), torch's powerSGD_hook the int rank whose bytes per step "
+                             "come closest to what hvd_acp's Power-SGD sends)")
     parser.add_argument("--rounds", type=positive_int, default=DEFAULT_ROUNDS,
                         help="run every job (floor, methods, diagnostics) once per round, in "
                              "an order rotated from round to round; ratios are paired inside "
@@ -67,9 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="output directory (default bench-results); its raw/ and logs/ "
                              "are replaced")
     parser.add_argument("--image-size", type=positive_int, default=128,
-                        help="resnet50 input height and width (default 128)")
+                        help="resnet50 input height and width (default 128; not passed to "
+                             "your model)")
     parser.add_argument("--seq-len", type=positive_int, default=64,
-                        help="bert-base tokens per sequence (default 64)")
+                        help="bert-base tokens per sequence (default 64; not passed to your "
+                             "model)")
     parser.add_argument("--threads", type=positive_int, default=1,
                         help="torch threads per rank (default 1)")
     parser.add_argument("--timeout", type=float, default=1800.0,
@@ -115,10 +150,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"{PROG}: error: {exc}", file=sys.stderr)
             return 2
     from .driver import BenchConfig, Interrupted, run_benchmark
+    if args.optimizer == "sgd":
+        matrix_rank = args.matrix_rank or default_matrix_rank(args.model)
+    else:
+        # None: every method resolves hvd_acp's default for the optimizer.
+        matrix_rank = args.matrix_rank
     cfg = BenchConfig(
         methods=methods, model=args.model, np=args.np,
-        batch_size=args.batch_size or DEFAULT_BATCH_SIZE[args.model],
-        matrix_rank=args.matrix_rank or default_matrix_rank(args.model),
+        batch_size=args.batch_size or default_batch_size(args.model),
+        matrix_rank=matrix_rank, optimizer=args.optimizer,
         steps=args.steps, warmup=args.warmup, bandwidth_mbit=bandwidth, out=args.out,
         rounds=args.rounds,
         image_size=args.image_size, seq_len=args.seq_len, threads=args.threads,

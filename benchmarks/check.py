@@ -26,8 +26,10 @@ __all__ = ["CheckError", "IDENTITY", "load", "config_differences", "compare", "m
 PROG = "python -m benchmarks check"
 
 #: Config fields that make two runs the same configuration: what is measured.
-IDENTITY = ("model", "np", "batch_size", "matrix_rank", "bandwidth_mbit", "image_size",
-            "seq_len", "threads_per_rank", "horovod_cycle_time_ms")
+IDENTITY = ("model", "optimizer", "np", "batch_size", "matrix_rank", "bandwidth_mbit",
+            "image_size", "seq_len", "threads_per_rank", "horovod_cycle_time_ms")
+#: The value of a config field that runs from before it was recorded had.
+RECORDED_LATER = {"optimizer": "sgd"}
 #: Config fields that may differ (how long, on which code): shown, not refused.
 NOTED = ("rounds", "steps", "warmup", "versions")
 _KEYS = ("ratios", "diagnostic_ratios")
@@ -68,8 +70,9 @@ def config_differences(old: Dict[str, Any], new: Dict[str, Any],
                        fields: Sequence[str] = IDENTITY) -> List[str]:
     """``field: old value != new value`` for each of ``fields`` that differs."""
     a, b = old["config"], new["config"]
-    return [f"{field}: {a.get(field)!r} != {b.get(field)!r}" for field in fields
-            if a.get(field) != b.get(field)]
+    values = [(field, a.get(field, RECORDED_LATER.get(field)),
+               b.get(field, RECORDED_LATER.get(field))) for field in fields]
+    return [f"{field}: {x!r} != {y!r}" for field, x, y in values if x != y]
 
 
 def _ratios(results: Dict[str, Any]) -> Dict[Key, Dict[str, Any]]:

@@ -33,7 +33,7 @@ from .netem import EmulatedNetwork
 from .rendezvous import rank_commands, start_server
 from .stats import (combine_ranks, machine_busy_s, median_interval, percentile, round_order,
                     summarize_steps)
-from .worker import IFACE_ENV
+from .worker import IFACE_ENV, worker_model
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +55,12 @@ class BenchConfig:
     """Everything one invocation measures (see ``python -m benchmarks -h``)."""
 
     methods: List[str]
+    #: A built-in model or a user's ``module:function`` / ``file.py:function``, as given.
     model: str
     np: int
     batch_size: int
-    matrix_rank: int
+    #: None: every method's default for the optimizer (hvd_acp.Settings.resolve).
+    matrix_rank: Any
     steps: int
     warmup: int
     bandwidth_mbit: Optional[float]
@@ -74,6 +76,8 @@ class BenchConfig:
     horovod_cycle_time_ms: Optional[float] = None
     count_ops: bool = False
     command: str = ""
+    #: The torch optimizer of every job: ``sgd`` (momentum 0.9) or ``adamw``.
+    optimizer: str = "sgd"
 
 
 class Interrupted(BaseException):
@@ -156,9 +160,10 @@ class _Runner:
 
     def _worker_args(self, method: str, result_dir: Path) -> List[str]:
         c = self.cfg
-        return ["-m", WORKER, "--method", method, "--model", c.model,
-                "--batch-size", str(c.batch_size), "--matrix-rank", str(c.matrix_rank),
-                "--steps", str(c.steps), "--warmup", str(c.warmup),
+        return ["-m", WORKER, "--method", method, "--model", worker_model(c.model),
+                "--batch-size", str(c.batch_size),
+                *(["--matrix-rank", str(c.matrix_rank)] if c.matrix_rank is not None else []),
+                "--optimizer", c.optimizer, "--steps", str(c.steps), "--warmup", str(c.warmup),
                 "--image-size", str(c.image_size), "--seq-len", str(c.seq_len),
                 "--threads", str(c.threads), "--result-dir", str(result_dir),
                 *(["--count-ops"] if c.count_ops else [])]
@@ -265,7 +270,8 @@ def _summarize(cfg: BenchConfig, method: str, ranks: List[Dict[str, Any]]) -> Di
         allreduces_per_step=sum(r["allreduces"] for r in ranks) / per_rank,
         compression_s_per_step=sum(r["compression_seconds"] for r in ranks) / per_rank,
         steps=steps, step_s=step_s, last_loss=[r["last_loss"] for r in ranks],
-        samples_per_step=samples, gradient_bytes=ranks[0]["gradient_bytes"])
+        samples_per_step=samples, gradient_bytes=ranks[0]["gradient_bytes"],
+        optimizer=ranks[0].get("optimizer"))
     # Where a step's time goes on rank 0: forward, backward (hvd_acp's hooks
     # compress and launch all-reduces in it), optimizer step (waits, then
     # reconstructs and updates; DDP waits at the end of backward instead).
@@ -284,6 +290,8 @@ def _summarize(cfg: BenchConfig, method: str, ranks: List[Dict[str, Any]]) -> Di
         entry["bytes_sent_per_step_analytic"] = ranks[0]["bytes_sent_per_step_analytic"]
     if all("bytes_received" in r for r in ranks):          # hvd_acp.baselines
         entry["bytes_received_per_step"] = sum(r["bytes_received"] for r in ranks) / per_rank
+    if "settings" in ranks[0]:        # every default decided (worker.method_settings)
+        entry["settings"] = ranks[0]["settings"]
     return entry
 
 
@@ -431,6 +439,12 @@ NOTES = [
     "and interval; verdict `faster` when the whole interval is below 1.0 (a needs less "
     "time, or fewer bytes), `slower` when above, `same` otherwise.",
     "exposed communication in breakdown.png = step - floor - compression, floored at 0.",
+    "settings: the settings each method trained with, every default decided (hvd_acp's "
+    "Settings, a baseline's settings, or torch's powerSGD_hook state), read from rank 0 "
+    "after its steps. Without --matrix-rank under --optimizer adamw (config matrix_rank "
+    "null) each method resolved its own default for the optimizer; torch's powerSGD_hook "
+    "takes one int rank for every tensor: the one whose bytes per step come closest to "
+    "what hvd_acp's Power-SGD sends under its defaults.",
     "ops_per_step (--count-ops): operator calls (`aten::` events of torch.profiler on the "
     "CPU, every thread, nested calls included) per step on rank 0, over 2 steps run after "
     "the timed ones and not timed; ops_over_floor_per_step subtracts the floor's (the "
@@ -512,7 +526,8 @@ def run_benchmark(cfg: BenchConfig) -> Dict[str, Any]:
     results: Dict[str, Any] = {
         "config": {
             "model": cfg.model, "np": cfg.np, "batch_size": cfg.batch_size,
-            "matrix_rank": cfg.matrix_rank, "bandwidth_mbit": cfg.bandwidth_mbit,
+            "matrix_rank": cfg.matrix_rank, "optimizer": cfg.optimizer,
+            "bandwidth_mbit": cfg.bandwidth_mbit,
             "topology": topology, "versions": _versions(), "steps": cfg.steps,
             "warmup": cfg.warmup, "image_size": cfg.image_size if cfg.model == "resnet50"
             else None, "seq_len": cfg.seq_len if cfg.model == "bert-base" else None,

@@ -242,6 +242,40 @@ def _rounds_paragraph(results: Dict[str, Any]) -> List[str]:
     return [text, ""]
 
 
+#: ``config.optimizer`` (``--optimizer``) in words; a run without it trained SGD.
+OPTIMIZER_NAMES = {"sgd": "SGD (momentum 0.9)", "adamw": "AdamW"}
+
+
+def _optimizer(cfg: Dict[str, Any]) -> str:
+    name = cfg.get("optimizer") or "sgd"
+    return OPTIMIZER_NAMES.get(name, name)
+
+
+def _matrix_rank(cfg: Dict[str, Any]) -> str:
+    """``config.matrix_rank``; None: each method took its default for the optimizer."""
+    rank = cfg.get("matrix_rank")
+    return "each method's default" if rank is None else str(rank)
+
+
+def _defaults_paragraph(results: Dict[str, Any]) -> List[str]:
+    """With no ``--matrix-rank`` (config ``matrix_rank`` None): the rank and
+    wire each compressing method resolved (its ``settings``)."""
+    if results["config"].get("matrix_rank") is not None:
+        return []
+    parts = []
+    for method in _ordered(results["methods"]):
+        settings = results["methods"][method].get("settings") or {}
+        if settings.get("matrix_rank") is None:
+            continue
+        wire = ("" if "fp16_wire" not in settings else
+                ", fp16 on the wire" if settings["fp16_wire"] else ", fp32 on the wire")
+        parts.append(f"{name(method)} matrix_rank {settings['matrix_rank']}{wire}")
+    if not parts:
+        return []
+    return [f"No --matrix-rank: each method resolved its default for "
+            f"{_optimizer(results['config'])} ({'; '.join(parts)}).", ""]
+
+
 def markdown(results: Dict[str, Any]) -> str:
     """The results tables: per method, paired comparisons, phases, diagnostics."""
     cfg = results["config"]
@@ -253,8 +287,9 @@ def markdown(results: Dict[str, Any]) -> str:
     ops = floor_entry.get("ops_per_step") is not None
     lines = [
         f"# {cfg['model']}: {cfg['np']} ranks, batch {cfg['batch_size']} per rank, "
-        f"matrix_rank {cfg['matrix_rank']}, link {link}",
+        f"optimizer {_optimizer(cfg)}, matrix_rank {_matrix_rank(cfg)}, link {link}",
         "",
+        *_defaults_paragraph(results),
         *_rounds_paragraph(results),
         "| method | step median (s) [interval] | p10-p90 of all steps (s) | samples/s "
         "| speedup vs S-SGD | x floor | MB sent/step/rank | all-reduces/step "
@@ -475,7 +510,7 @@ def plot_breakdown(results: Dict[str, Any], path: Path) -> None:
     link = (f"{cfg['bandwidth_mbit']:g} Mbit/s per node" if cfg.get("bandwidth_mbit")
             is not None else "localhost, no emulation")
     fig.suptitle(f"{cfg['model']}, {cfg['np']} ranks, batch {cfg['batch_size']}/rank, "
-                 f"rank {cfg['matrix_rank']}, {link}", fontsize=9)
+                 f"{_optimizer(cfg)}, rank {_matrix_rank(cfg)}, {link}", fontsize=9)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.07, 1, 1))

@@ -11,6 +11,7 @@ with the step times and the counters accumulated over the timed steps.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import json
@@ -19,14 +20,14 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 from hvd_acp.counting import powersgd_ddp_bytes_per_step
 from hvd_acp.methods import HOROVOD, TORCHRUN, Distributed, Method
 from hvd_acp.methods import get as get_method
-from hvd_acp.plan.models import build_model
+from hvd_acp.plan.models import build_model, is_user_model
 from hvd_acp.plan.units import matrix_rank_type
 
 from .jobs import JOBS, LOCAL, Job
@@ -42,6 +43,11 @@ OPS_STEPS = 2
 #: identical weights (seeded), so the initial broadcast is skipped; buffers
 #: are not synchronized either, as with Horovod.
 DDP_OPTIONS = {"init_sync": False, "broadcast_buffers": False}
+#: ``--optimizer``: the torch optimizer of every job (:func:`make_optimizer`).
+OPTIMIZERS = ("sgd", "adamw")
+#: The methods that run torch's ``powerSGD_hook``, which takes one int rank
+#: for every tensor (:func:`torch_hook_rank`).
+TORCH_POWERSGD_HOOKS = ("powersgd-ddp", "powersgd-ddp-batched")
 
 
 def _parse(argv: List[str]) -> argparse.Namespace:
@@ -50,7 +56,10 @@ def _parse(argv: List[str]) -> argparse.Namespace:
                         help="the job (benchmarks.jobs)")
     parser.add_argument("--model", required=True)
     parser.add_argument("--batch-size", type=int, required=True)
-    parser.add_argument("--matrix-rank", type=matrix_rank_type, required=True)
+    parser.add_argument("--matrix-rank", type=matrix_rank_type, default=None,
+                        help="omitted: every method's default for the optimizer "
+                             "(hvd_acp.Settings.resolve)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--warmup", type=int, required=True)
     parser.add_argument("--image-size", type=int, default=128)
@@ -83,6 +92,117 @@ def link_tx_bytes(iface: str, proc_net_dev: str = "/proc/net/dev") -> int:
             if sep and name.strip() == iface:
                 return int(fields.split()[8])
     raise RuntimeError(f"interface {iface!r} not found in {proc_net_dev}")
+
+
+# ------------------------------------------------------ model, optimizer
+def model_file(model: str) -> Optional[Path]:
+    """The file of a user's ``path/to/file.py:function`` (as given, maybe
+    relative); None for a built-in model or a ``package.module:function``.
+    The same rule as :func:`hvd_acp.plan.models.build_user_model`'s."""
+    if not is_user_model(model):
+        return None
+    module = model.rpartition(":")[0]
+    return Path(module) if module.endswith(".py") or os.sep in module else None
+
+
+def worker_model(model: str) -> str:
+    """``--model`` as the workers get it: a user's file made absolute (from
+    the current directory), so that it does not depend on where a launcher
+    starts them."""
+    path = model_file(model)
+    if path is None:
+        return model
+    return f"{path.resolve()}:{model.rpartition(':')[2]}"
+
+
+def _importable_beside(model: str) -> None:
+    """Put the directory of a user's model file first on ``sys.path``, as
+    ``python path/to/file.py`` does: the file may import its neighbours
+    (examples/train_lm.py imports ``common``)."""
+    path = model_file(model)
+    if path is not None:
+        directory = str(path.resolve().parent)
+        if directory not in sys.path:
+            sys.path.insert(0, directory)
+
+
+def make_optimizer(name: str, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """``--optimizer``: SGD with momentum 0.9, or AdamW with its defaults, at ``lr``."""
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=lr)
+    raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
+
+
+def hvd_acp_powersgd_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes one rank sends per step under ``hvd_acp.PowerSGDOptimizer``'s
+    defaults for ``optimizer`` (:meth:`hvd_acp.Settings.resolve` with both
+    factors per step), from the shapes: a compressed ``(n, m)`` gradient
+    sends ``(n + m) r`` elements, any other tensor its ``numel``, in fp16
+    where the defaults put the wire in fp16."""
+    from hvd_acp.compression import factor_rank, matrix_shape, should_compress
+    from hvd_acp.settings import Settings
+    settings = Settings().resolve(optimizer, factors_per_step=2)
+    total = 0
+    for param in model.parameters():
+        if not param.requires_grad:
+            continue
+        n, m = matrix_shape(param.shape)
+        elements = ((n + m) * factor_rank(n, m, settings.matrix_rank)
+                    if should_compress(param.shape, settings.matrix_rank,
+                                       settings.min_compression_rate) else param.numel())
+        total += elements * (2 if settings.fp16_wire else param.element_size())
+    return total
+
+
+def torch_hook_rank(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """The rank of torch's ``powerSGD_hook`` when none is given: hvd_acp's
+    default where it is an int (SGD: 4); where it is a share of each matrix
+    (adaptive optimizers), the int rank whose bytes per step
+    (:func:`hvd_acp.counting.powersgd_ddp_bytes_per_step`, fp32) come closest
+    to :func:`hvd_acp_powersgd_bytes` (the smaller one on a tie)."""
+    from hvd_acp.settings import Settings
+    default = Settings().resolve(optimizer, factors_per_step=2).matrix_rank
+    if isinstance(default, int):
+        return default
+    target = hvd_acp_powersgd_bytes(model, optimizer)
+    largest = max((min(p.shape[0], p.numel() // p.shape[0]) for p in model.parameters()
+                   if p.requires_grad and p.dim() >= 2), default=1)
+    # The hook's bytes never fall as the rank grows: find the first rank at or
+    # above the target, then take it or the one below.
+    low, high = 1, largest
+    while low < high:
+        middle = (low + high) // 2
+        if powersgd_ddp_bytes_per_step(model, middle) >= target:
+            high = middle
+        else:
+            low = middle + 1
+    return min({max(1, low - 1), low},
+               key=lambda r: (abs(powersgd_ddp_bytes_per_step(model, r) - target), r))
+
+
+def _json_safe(value: Any) -> Any:
+    return value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
+
+
+def method_settings(built: Distributed) -> Optional[Dict[str, Any]]:
+    """The settings a method trained with, every default decided: hvd_acp's
+    (:class:`hvd_acp.Settings`), a baseline's, or torch's ``powerSGD_hook``'s
+    state; None for a method without any (S-SGD)."""
+    state = built.state
+    if _is_powersgd_hook(state):
+        return {"matrix_rank": state.matrix_approximation_rank,
+                "min_compression_rate": state.min_compression_rate,
+                "start_powerSGD_iter": state.start_powerSGD_iter,
+                "use_error_feedback": state.use_error_feedback, "warm_start": state.warm_start}
+    settings = getattr(built.optimizer, "settings", None)
+    if settings is None:
+        settings = getattr(state, "settings", None)
+    if settings is None or not dataclasses.is_dataclass(settings):
+        return None
+    return {field.name: _json_safe(getattr(settings, field.name))
+            for field in dataclasses.fields(settings)}
 
 
 # --------------------------------------------------------------- the loop
@@ -212,7 +332,11 @@ def _build(job: Job, method: Method, spec, optimizer, args) -> Distributed:
         # powerSGD_hook) gets the whole untimed warm-up for them; the others
         # compress from the first step, as their defaults do.
         options["warmup_steps"] = max(method.min_warmup_steps, args.warmup)
-    return method.build(spec.model, optimizer, matrix_rank=args.matrix_rank, **options)
+    matrix_rank = args.matrix_rank
+    if matrix_rank is None and method.key in TORCH_POWERSGD_HOOKS:
+        # torch's hook takes an int rank; hvd_acp's adaptive default is a share.
+        matrix_rank = torch_hook_rank(spec.model, optimizer)
+    return method.build(spec.model, optimizer, matrix_rank=matrix_rank, **options)
 
 
 def _counters(job: Job, built: Distributed, result: Dict[str, Any],
@@ -257,12 +381,14 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     # in a session of its own, out of reach of a kill of horovodrun's group.
     Path(args.result_dir, f"{job.key}.rank{rank}.pid").write_text(str(os.getpid()))
 
+    _importable_beside(args.model)
     spec = build_model(args.model, args.batch_size, image_size=args.image_size,
                        seq_len=args.seq_len, data_seed=rank)
     params = [p for p in spec.model.parameters() if p.requires_grad]
     result["parameters"] = sum(p.numel() for p in params)
     result["gradient_bytes"] = sum(p.numel() * p.element_size() for p in params)
-    optimizer = torch.optim.SGD(spec.model.parameters(), lr=args.lr, momentum=0.9)
+    optimizer = make_optimizer(args.optimizer, spec.model, args.lr)
+    result["optimizer"] = type(optimizer).__name__
     if job.method is None:
         # The floor and the idle diagnostics: a plain local optimizer (Horovod
         # or the Gloo process group initialized, nothing communicated).
@@ -299,6 +425,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                                                                   None))
     if chooser is not None:
         result["chosen_ranks"] = chooser()
+    # Read after training: the DDP hook's state decides its defaults at its first bucket.
+    settings = None if job.method is None else method_settings(built)
+    if settings is not None:
+        result["settings"] = settings
     if args.count_ops:
         result.update(count_operator_calls(spec, optimizer))
     if job.probe:

@@ -170,6 +170,31 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
     return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
 
 
+def benchmark_model(batch_size: int):
+    """This script's model for the benchmark (``python -m benchmarks --model
+    examples/train_lm.py:benchmark_model``, whose workers find ``common``
+    beside this file): the TransformerLM that :func:`main` trains with its
+    default arguments, a batch of ``batch_size`` random windows of the
+    default ``--seq-len`` tokens, and the training loss. It calls no
+    ``hvd.init()`` and reads no corpus.
+
+    Returns:
+        ``(model, batch, loss_fn)``: ``batch`` is (inputs, targets), each of
+        shape (batch_size, seq_len), int64; ``loss_fn(model, batch)`` is
+        main()'s cross-entropy per token.
+    """
+    args = parse_args([])
+
+    def loss_fn(model: nn.Module, batch) -> torch.Tensor:
+        inputs, targets = batch
+        logits = model(inputs)
+        return F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.reshape(-1))
+
+    model = TransformerLM(args.seq_len, args.d_model, args.layers, args.heads)
+    windows = torch.randint(0, VOCAB_SIZE, (batch_size, args.seq_len + 1))
+    return model, (windows[:, :-1], windows[:, 1:]), loss_fn
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     hvd.init()

@@ -49,6 +49,9 @@ SSGD_TARGET = 0.15
 def _predict(results: Path, out: Path, profiles: Dict[Tuple, Path], extra: List[str]) -> dict:
     bench = json.loads(results.read_text())
     cfg = bench["config"]
+    if cfg.get("optimizer", "sgd") != "sgd":
+        raise SystemExit(f"{results}: trained with --optimizer {cfg['optimizer']}; the "
+                         "planner predicts the benchmark's SGD runs only")
     key = (cfg["model"], cfg["batch_size"], cfg["matrix_rank"])
     profile = profiles.get(key)
     flags = ["--np", str(cfg["np"]), "--bandwidth", f"{cfg['bandwidth_mbit']:g}mbit",

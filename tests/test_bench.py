@@ -29,6 +29,8 @@ METHOD_FIELDS = ("step_s_median", "step_s_p10", "step_s_p90", "samples_per_s",
                  "bytes_sent_per_step", "allreduces_per_step", "compression_s_per_step")
 CONFIG_FIELDS = ("model", "np", "batch_size", "matrix_rank", "bandwidth_mbit", "topology",
                  "versions")
+#: examples/train_lm.py's transformer, as a user's model (from the repository root).
+LM_MODEL = "examples/train_lm.py:benchmark_model"
 
 
 # ------------------------------------------------------------------ parsing
@@ -317,7 +319,8 @@ def test_check_fails_and_lists_the_ratios_that_moved(tmp_path, capsys):
 @pytest.mark.parametrize("change, message", [
     ({"bandwidth_mbit": 1000.0}, "bandwidth_mbit: 100.0 != 1000.0"),
     ({"model": "resnet50"}, "model"),
-    ({"horovod_cycle_time_ms": None}, "horovod_cycle_time_ms")])
+    ({"horovod_cycle_time_ms": None}, "horovod_cycle_time_ms"),
+    ({"optimizer": "adamw"}, "optimizer: 'sgd' != 'adamw'")])
 def test_check_refuses_different_configurations(tmp_path, capsys, change, message):
     old = _write(tmp_path / "old.json", _results(FIGURES))
     other = _results(FIGURES)
@@ -325,6 +328,29 @@ def test_check_refuses_different_configurations(tmp_path, capsys, change, messag
     assert _check(old, _write(tmp_path / "new.json", other)) == 2
     err = capsys.readouterr().err
     assert "not the same configuration" in err and message in err
+
+
+def test_check_takes_a_run_before_the_optimizer_was_recorded_as_sgd(tmp_path):
+    old = _write(tmp_path / "old.json", _results(FIGURES))
+    assert "optimizer" not in json.loads(old.read_text())["config"]
+    new = _results(FIGURES)
+    new["config"]["optimizer"] = "sgd"
+    assert _check(old, _write(tmp_path / "new.json", new)) == 0
+
+
+def test_markdown_names_the_optimizer_and_the_resolved_defaults():
+    plain = report.markdown(_results(FIGURES))
+    assert "optimizer SGD (momentum 0.9), matrix_rank 4," in plain
+    assert "No --matrix-rank" not in plain
+    results = _results(FIGURES)
+    results["config"].update(optimizer="adamw", matrix_rank=None)
+    results["methods"]["acp"]["settings"] = {"matrix_rank": 0.5, "fp16_wire": True}
+    results["methods"]["powersgd"]["settings"] = {"matrix_rank": 0.25, "fp16_wire": True}
+    text = report.markdown(results)
+    assert "optimizer AdamW, matrix_rank each method's default," in text
+    assert ("No --matrix-rank: each method resolved its default for AdamW (Power-SGD "
+            "(hvd_acp) matrix_rank 0.25, fp16 on the wire; ACP-SGD matrix_rank 0.5, fp16 "
+            "on the wire).") in text
 
 
 def test_check_refuses_missing_or_foreign_files(tmp_path, capsys):
@@ -469,6 +495,59 @@ def test_powersgd_ddp_bytes_follow_the_hooks_rule():
     assert powersgd_ddp_bytes_per_step(model, r) == expected * 4
 
 
+def test_torch_hook_rank_sends_about_what_hvd_acps_powersgd_sends():
+    from benchmarks.worker import TORCH_POWERSGD_HOOKS, hvd_acp_powersgd_bytes, torch_hook_rank
+    from hvd_acp.methods import REGISTRY
+    assert all("powerSGD_hook" in REGISTRY[key].implementation for key in TORCH_POWERSGD_HOOKS)
+    model = SmallNet()
+    assert torch_hook_rank(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)) == 4
+    adamw = torch.optim.AdamW(model.parameters())
+    rank = torch_hook_rank(model, adamw)
+    target = hvd_acp_powersgd_bytes(model, adamw)
+    # A quarter of each matrix's smaller side in fp16: (768 * 64 + 1024 * 128 * 2
+    # + 522 * 3) * 2 bytes for the weights, the biases (1546) in fp16 too.
+    assert target == (768 * 64 + 2 * 1024 * 128 + 522 * 3 + 1546) * 2
+    gap = abs(powersgd_ddp_bytes_per_step(model, rank) - target)
+    for other in (rank - 1, rank + 1):
+        assert gap <= abs(powersgd_ddp_bytes_per_step(model, other) - target)
+
+
+@pytest.fixture
+def importable_examples(monkeypatch):
+    """examples/ put on sys.path as the worker does for a model file, undone after."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    had_common = "common" in sys.modules
+    yield
+    if not had_common:
+        sys.modules.pop("common", None)
+
+
+def test_train_lm_benchmark_model_builds_and_backprops(importable_examples):
+    from benchmarks.worker import _importable_beside
+    from hvd_acp.plan.models import build_user_model
+    _importable_beside(LM_MODEL)
+    spec = build_user_model(LM_MODEL, 3)
+    module = spec.loss_fn.__globals__          # train_lm.py's, loaded from its file
+    defaults = module["parse_args"]([])
+    assert (defaults.seq_len, defaults.d_model, defaults.layers, defaults.heads) == (64, 128, 2, 4)
+    assert type(spec.model).__name__ == "TransformerLM"
+    assert spec.model.positions.num_embeddings == defaults.seq_len
+    assert spec.model.tokens.embedding_dim == defaults.d_model
+    assert len(spec.model.encoder.layers) == defaults.layers
+    assert spec.model.encoder.layers[0].self_attn.num_heads == defaults.heads
+    inputs, targets = spec.batch
+    assert inputs.shape == targets.shape == (3, defaults.seq_len)
+    assert inputs.dtype == torch.long and int(inputs.max()) < module["VOCAB_SIZE"]
+    torch.testing.assert_close(inputs[:, 1:], targets[:, :-1])     # next-token targets
+    loss = spec.loss_fn(spec.model, spec.batch)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all()
+               for p in spec.model.parameters())
+    again = build_user_model(LM_MODEL, 3)
+    torch.testing.assert_close(again.batch[0], inputs)       # seeded: the same on every rank
+
+
 def test_models_build_with_a_fixed_batch():
     spec = build_model("small", 3, data_seed=1)
     loss = spec.loss_fn(spec.model, spec.batch)
@@ -545,6 +624,47 @@ def test_bad_arguments_exit_with_usage(capsys):
     assert "bandwidth must look like" in capsys.readouterr().err
 
 
+def test_user_models_and_the_optimizer_parse():
+    from benchmarks import __main__ as cli
+    parser = cli.build_parser()
+    args = parser.parse_args([])
+    assert (args.model, args.optimizer) == ("resnet50", "sgd")
+    args = parser.parse_args(["--model", LM_MODEL, "--optimizer", "adamw"])
+    assert (args.model, args.optimizer) == (LM_MODEL, "adamw")
+    # A module is imported by the workers only: its name is all that is checked here.
+    assert parser.parse_args(["--model", "my_project.models:build"]).model == \
+        "my_project.models:build"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "vgg"], "--model must be one of resnet50, bert-base, small or "
+                         "'package.module:function'"),
+    (["--model", "examples/train_lm.py:"], "'path/to/file.py:function', got"),
+    (["--model", "examples/no_such_file.py:build"], "no file"),
+    (["--optimizer", "adam"], "invalid choice: 'adam'")])
+def test_bad_model_or_optimizer_is_a_usage_error(capsys, argv, message):
+    from benchmarks import __main__ as cli
+    with pytest.raises(SystemExit) as exc:
+        cli.main([*argv, "--out", "unused"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage:" in err and message in err
+
+
+def test_worker_model_and_optimizer():
+    from benchmarks.worker import make_optimizer, model_file, worker_model
+    assert worker_model("small") == "small" and model_file("small") is None
+    assert worker_model("pkg.mod:build") == "pkg.mod:build"
+    assert model_file(LM_MODEL) == Path("examples/train_lm.py")
+    assert worker_model(LM_MODEL) == f"{Path('examples/train_lm.py').resolve()}:benchmark_model"
+    model = SmallNet()
+    sgd = make_optimizer("sgd", model, 0.01)
+    assert type(sgd) is torch.optim.SGD and sgd.defaults["momentum"] == 0.9
+    assert type(make_optimizer("adamw", model, 0.01)) is torch.optim.AdamW
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        make_optimizer("adam", model, 0.01)
+
+
 # ---------------------------------------------------------------- real runs
 def _bench(out: Path, *args: str, timeout: float, rounds: int = 1) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "benchmarks", "--model", "small", "--np", "2",
@@ -603,6 +723,38 @@ def test_smoke_run_writes_every_output(tmp_path):
     _bench(tmp_path, "--methods", ",".join(methods), timeout=140)
     results = _check_outputs(tmp_path, methods, None)
     assert "localhost" in results["config"]["topology"]
+
+
+@pytest.mark.horovod
+@pytest.mark.timeout(200)
+def test_smoke_run_of_a_user_model_with_adamw(tmp_path):
+    # train_lm's transformer from its file (it imports its neighbour
+    # examples/common.py), every job on AdamW, no --matrix-rank: each method
+    # resolves hvd_acp's defaults for an adaptive optimizer.
+    methods = ["acp", "diloco"]
+    _bench(tmp_path, "--model", LM_MODEL, "--optimizer", "adamw", "--batch-size", "2",
+           "--steps", "2", "--warmup", "1", "--methods", ",".join(methods), timeout=190)
+    results = json.loads((tmp_path / "results.json").read_text())
+    config = results["config"]
+    assert (config["model"], config["optimizer"], config["batch_size"]) == (LM_MODEL, "adamw", 2)
+    assert config["matrix_rank"] is None
+    assert config["image_size"] is None and config["seq_len"] is None
+    assert sorted(results["methods"]) == methods
+    floor = results["compute_only"]
+    assert floor["step_s_median"] > 0 and floor["optimizer"] == "AdamW"
+    dense = floor["gradient_bytes"]
+    acp, diloco = results["methods"]["acp"], results["methods"]["diloco"]
+    for entry in (acp, diloco):
+        assert entry["step_s_median"] > 0 and entry["optimizer"] == "AdamW"
+        assert all(isinstance(loss, float) for loss in entry["last_loss"])
+    assert acp["settings"]["matrix_rank"] == 0.5 and acp["settings"]["fp16_wire"] is True
+    assert acp["settings"]["min_compression_rate"] == 1.0
+    assert 0 < acp["bytes_sent_per_step"] < dense / 4       # half the ranks, in fp16
+    assert diloco["settings"]["inner_steps"] > 0
+    assert 0 < diloco["bytes_sent_per_step_analytic"] < dense
+    table = (tmp_path / "results.md").read_text()
+    assert f"# {LM_MODEL}: 2 ranks, batch 2 per rank, optimizer AdamW" in table
+    assert "ACP-SGD matrix_rank 0.5, fp16 on the wire" in table
 
 
 @pytest.mark.horovod

@@ -638,6 +638,10 @@ def test_validate_synthetic_run(tmp_path, capsys):
     assert json.loads((tmp_path / "v" / "validate.json").read_text())[0]["worst_method"] == "ssgd"
     with pytest.raises(ValueError, match="batch_size"):
         validate(dict(bench, config=dict(bench["config"], batch_size=16)), prof)
+    # The planner models SGD; a run of the benchmark's --optimizer adamw is refused.
+    with pytest.raises(ValueError, match="--optimizer adamw"):
+        validate(dict(bench, config=dict(bench["config"], optimizer="adamw")), prof)
+    assert validate(dict(bench, config=dict(bench["config"], optimizer="sgd")), prof)
     # A link calibration adds its stack cost per byte moved to the serial step
     # (2 ranks on 2 CPUs: no spare core) and to nothing else.
     serial = dict(bench, config=dict(bench["config"], cpus=2, threads_per_rank=1))

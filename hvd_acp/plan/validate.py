@@ -94,6 +94,9 @@ def validate(bench: dict, profile: dict, calibrate: bool = True,
              wire_efficiency: Optional[float] = None, link: Optional[dict] = None) -> dict:
     """Measured, predicted and relative error per method of a benchmark run."""
     cfg = bench["config"]
+    if cfg.get("optimizer", "sgd") != "sgd":
+        raise ValueError(f"the run trained with --optimizer {cfg['optimizer']}; the planner "
+                         "predicts the benchmark's SGD runs only")
     for key, want in (("model", cfg.get("model")), ("batch_size", cfg.get("batch_size")),
                       ("matrix_rank", cfg.get("matrix_rank"))):
         if profile.get(key) is not None and want is not None and profile[key] != want:
