@@ -157,6 +157,41 @@ def baseline_settings(args: argparse.Namespace) -> Dict[str, object]:
             if getattr(args, setting, None) is not None}
 
 
+class SignAdamW(torch.optim.AdamW):
+    """AdamW for the 1-D tensors; every other tensor steps as the DeMo-style
+    method does, ``w *= 1 - lr * weight_decay; w -= lr * sign(grad)``.
+
+    Under ``hvd_acp.DistributedOptimizer`` this is ACP-SGD carrying DeMo's
+    error-fed momentum: a rank's residual ``E`` takes the gradient each step
+    and gives up what its factors send, which is DeMo's momentum with decay 1,
+    compressed to alternating rank-r factors in the same hooks and fused
+    all-reduces instead of a DCT top-k and an all-gather; the averaged
+    factors step by their sign. (``--update sign`` of examples/train_lm.py.)
+    """
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        hidden = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None or p.dim() < 2:
+                    continue
+                p.mul_(1.0 - group["lr"] * group["weight_decay"])
+                p.add_(p.grad.sign(), alpha=-group["lr"])
+                hidden[p] = p.grad
+                p.grad = None          # AdamW skips it
+        try:
+            super().step()
+        finally:
+            for p, grad in hidden.items():
+                p.grad = grad
+        return loss
+
+
 def finish_training(optimizer) -> None:
     """After the last step: DiLoCo ends on an outer step (a collective) unless
     it has just taken one, as the replicas differ until then; nothing for the

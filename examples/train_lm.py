@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
-from common import (ByteMeter, add_baseline_args, add_common_args, allreduce_sums,
+from common import (ByteMeter, SignAdamW, add_baseline_args, add_common_args, allreduce_sums,
                     baseline_settings, distributed_optimizer, evaluation_weights, finish_run,
                     finish_training, settings_of)
 
@@ -56,6 +56,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lr-warmup-steps", type=int, default=30,
                         help="steps of linear learning-rate warm-up before cosine decay")
     parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    parser.add_argument("--update", choices=("adamw", "sign"), default="adamw",
+                        help="sign: the matrices step by the sign of their averaged gradient "
+                             "(the DeMo-style update), the 1-D tensors by AdamW "
+                             "(common.SignAdamW); with --optimizer acp, ACP-SGD carrying "
+                             "error-fed momentum")
     parser.add_argument("--val-windows", type=int, default=256,
                         help="validation windows of --seq-len tokens, spread evenly over "
                              "the validation files")
@@ -213,7 +218,8 @@ def main(argv=None) -> dict:
 
     model = TransformerLM(args.seq_len, args.d_model, args.layers, args.heads)
     lr = args.lr * hvd.size()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=args.weight_decay)
+    update = SignAdamW if args.update == "sign" else torch.optim.AdamW
+    optimizer = update(model.parameters(), lr=lr, weight_decay=args.weight_decay)
     optimizer = distributed_optimizer(args.optimizer, optimizer, model,
                                       matrix_rank=args.matrix_rank,
                                       warmup_steps=args.warmup_steps, seed=args.seed,

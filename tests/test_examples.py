@@ -219,3 +219,30 @@ def test_byte_meter_counts_horovods_fp16_compression_as_half():
     assert full.sent(3) == 3 * 264 and half.sent(3) == 3 * 132
     assert half.ssgd(3) == full.ssgd(3) == 3 * 264
     assert half.received(3) == half.sent(3)
+
+
+def test_sign_adamw_steps_matrices_by_sign_and_the_rest_by_adamw():
+    """train_lm.py's --update sign: a matrix moves by -lr * sign(grad) after
+    the decoupled weight decay; a 1-D tensor exactly as under AdamW."""
+    spec = importlib.util.spec_from_file_location("examples_common_sign", EXAMPLES / "common.py")
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    torch.manual_seed(0)
+    model, twin = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    twin.load_state_dict(model.state_dict())
+    sign = common.SignAdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    plain = torch.optim.AdamW(twin.parameters(), lr=0.1, weight_decay=0.5)
+    for step in range(2):               # Adam's first step is lr * sign(grad) too
+        before = model.weight.detach().clone()
+        inputs = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+        for net, optimizer in ((model, sign), (twin, plain)):
+            optimizer.zero_grad()
+            net(inputs).square().sum().backward()
+        grad = model.weight.grad.clone()
+        sign.step()
+        plain.step()
+        assert torch.equal(model.weight.grad, grad)             # gradients left as they were
+        assert torch.allclose(model.weight, before * (1 - 0.1 * 0.5) - 0.1 * grad.sign())
+        assert torch.equal(model.bias, twin.bias)
+    assert not torch.allclose(model.weight, twin.weight)
+    assert "exp_avg" not in sign.state[model.weight] and "exp_avg" in sign.state[model.bias]
