@@ -150,7 +150,19 @@ FRONTIER = (
     ("DiLoCo, H 50", ("--optimizer", "diloco", "--diloco-h", "50"), True),
     ("DeMo-style, k 1", ("--optimizer", "demo", "--demo-k", "1"), True),
     ("DeMo-style, k 8", ("--optimizer", "demo", "--demo-k", "8"), True),
+    # Issue 36's item 4: ACP-SGD carrying DeMo's error-fed momentum with its
+    # sign update (examples/common.SignAdamW; step-ahead models Adam's step).
+    ("ACP-SGD (defaults), sign update",
+     ("--optimizer", "acp", "--update", "sign", "--step-ahead", "0"), True),
 )
+#: Settings of the frontier that only some recipes' scripts have.
+FRONTIER_ONLY = {"ACP-SGD (defaults), sign update": ("train_lm_np4",)}
+
+
+def frontier_settings(recipe: Recipe):
+    """The (label, flags, swept) of :data:`FRONTIER` that ``recipe`` runs."""
+    return [entry for entry in FRONTIER
+            if recipe.key in FRONTIER_ONLY.get(entry[0], (recipe.key,))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,7 +296,7 @@ def frontier_runs(recipe: Recipe, best: str, stage: int) -> List[Run]:
     """Stage 0: seed 0 of every setting (swept ones at each rate around S-SGD's
     best); stage 1: seeds 1 and 2 at each setting's best rate."""
     runs = []
-    for label, _, swept in FRONTIER:
+    for label, _, swept in frontier_settings(recipe):
         rates = around(recipe, best) if swept else (best,)
         if stage == 0:
             runs += [Run(recipe, label, rate, 0) for rate in rates]
@@ -409,7 +421,7 @@ def frontier_rows(recipe: Recipe, best: str) -> List[dict]:
     ssgd = {seed: read(Run(recipe, SSGD, best, seed).summary) for seed in SEEDS}
     settings = [(label, (best,)) for label in recipe.methods]
     settings += [(label, around(recipe, best) if swept else (best,))
-                 for label, _, swept in FRONTIER]
+                 for label, _, swept in frontier_settings(recipe)]
     rows = []
     for label, rates in settings:
         rate = own_best(recipe, label, rates) if len(rates) > 1 else rates[0]
@@ -446,7 +458,14 @@ def frontier_report() -> List[str]:
            "under the AdamW run a user tuned. "
            "Bytes are per step and rank as shares of S-SGD's fp32 gradient; the DeMo-style "
            "method's all-gather receives more than it sends (\"received\": what a rank "
-           "was handed; Horovod's own optimizer does not count it).", "",
+           "was handed; Horovod's own optimizer does not count it). "
+           "\"ACP-SGD (defaults), sign update\" (examples/train_lm.py only) is ACP-SGD "
+           "carrying the DeMo-style method's error-fed momentum: a rank's residual takes "
+           "each gradient and gives up what its factors send, which is that momentum with "
+           "decay 1, compressed to ACP-SGD's alternating factors in its hooks and fused "
+           "all-reduces; the matrices step by the sign of the averaged factors, the 1-D "
+           "tensors by AdamW (`--update sign`, step-ahead off), its rate swept like the "
+           "baselines'.", "",
            f"![Bytes against final loss](img/{img.name})", ""]
     for axis, recipe in zip(axes[0], recipes):
         best = best_rate(recipe)
@@ -471,7 +490,146 @@ def frontier_report() -> List[str]:
     fig.tight_layout()
     fig.savefig(img, dpi=110)
     plt.close(fig)
-    return out
+    return out + time_to_target_report()
+
+
+#: The benchmark's runs of examples/train_lm.py's model at 4 ranks under AdamW
+#: (``python -m benchmarks --model examples/train_lm.py:benchmark_model
+#: --optimizer adamw``) on emulated links: each method's step time there.
+LINK_RUNS = (("100 Mbit/s", REPO / "bench-results" / "train_lm_np4_100mbit" / "results.json"),
+             ("1 Gbit/s", REPO / "bench-results" / "train_lm_np4_1gbit" / "results.json"))
+#: The recipe whose curves the link runs time.
+TIMED_RECIPE = "train_lm_np4"
+#: Frontier label -> (the benchmark's method, DiLoCo's H where its outer
+#: all-reduce is added to the measured step). The benchmark's DiLoCo runs
+#: H 500 (no outer step among its timed steps) and its DeMo-style k 8.
+TIMED = {SSGD: ("ssgd", None), "S-SGD (fp16)": ("ssgd-fp16", None), ACP: ("acp", None),
+         "Power-SGD (defaults: ACP-SGD's bytes)": ("powersgd", None),
+         "DiLoCo, H 10": ("diloco", 10), "DiLoCo, H 50": ("diloco", 50),
+         "DeMo-style, k 8": ("demo", None)}
+#: The target of the time to a loss: S-SGD's mean final loss times this.
+TARGET_FACTOR = 1.02
+
+
+def mean_curve(recipe: "Recipe", label: str, rate: str, seeds: Sequence[int]):
+    """(steps, mean validation loss) of ``label`` at ``rate`` over ``seeds``,
+    step 0 (the initial loss) first; None where a summary lacks the curve."""
+    curves = []
+    for seed in seeds:
+        path = Run(recipe, label, rate, seed).summary
+        summary = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+        if "val_loss_per_epoch" not in summary or "step_per_epoch" not in summary:
+            return None
+        curves.append(([0, *summary["step_per_epoch"]],
+                       [summary["initial_val_loss"], *summary["val_loss_per_epoch"]]))
+    if not curves or any(c[0] != curves[0][0] for c in curves):
+        return None
+    return curves[0][0], [statistics.fmean(c[1][i] for c in curves)
+                          for i in range(len(curves[0][0]))]
+
+
+def steps_to(curve, target: float) -> Optional[float]:
+    """The first step where the (linearly interpolated) curve reaches ``target``."""
+    steps, losses = curve
+    for i in range(1, len(steps)):
+        if losses[i] <= target:
+            a, b = losses[i - 1], losses[i]
+            return steps[i - 1] + (steps[i] - steps[i - 1]) * (a - target) / (a - b)
+    return None
+
+
+def link_step_s(bench: dict, method: str, inner_steps: Optional[int],
+                key: str = "step_s_median") -> Optional[float]:
+    """A method's step on a benchmark run's link: its measured median (or the
+    ``key`` of its interval, ``step_s_low``/``step_s_high``), plus for DiLoCo
+    at ``inner_steps`` its outer all-reduce of every parameter over H
+    (hvd_acp.plan's ring model at the link's rate)."""
+    measured = bench.get("methods", {}).get(method, {}).get(key)
+    if measured is None or inner_steps is None:
+        return measured
+    from hvd_acp.plan.cost import Network, allreduce_s
+    cfg = bench["config"]
+    outer = allreduce_s(float(bench["methods"][method]["gradient_bytes"]), cfg["np"],
+                        Network(bandwidth_mbit=float(cfg["bandwidth_mbit"])))
+    return measured + outer / inner_steps
+
+
+def time_to_target_report() -> List[str]:
+    """The train_lm curves of the frontier timed by the link runs: time to
+    :data:`TARGET_FACTOR` times S-SGD's final loss and time of the whole run,
+    per link, with a figure of loss against time."""
+    benches = [(name, json.loads(path.read_text(encoding="utf-8")))
+               for name, path in LINK_RUNS if path.exists()]
+    recipe = recipe_of(TIMED_RECIPE)
+    best = best_rate(recipe)
+    if not benches or best is None:
+        return []
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = {row["label"]: row for row in frontier_rows(recipe, best)}
+    if SSGD not in rows:
+        return []
+    target = rows[SSGD]["loss"] * TARGET_FACTOR
+    img = REPO / "docs" / "img" / "convergence_lm_time.png"
+    fig, axes = plt.subplots(1, len(benches), figsize=(6 * len(benches), 4.2), squeeze=False)
+    out = ["### Time to a target loss on emulated links", "",
+           f"{recipe.title}: each method's mean validation curve (the seeds and rate of "
+           f"the table above) against its step time on the benchmark's emulated links "
+           f"(`python -m benchmarks --model examples/train_lm.py:benchmark_model "
+           f"--optimizer adamw --np 4 --batch-size 16`, the script's model and batch, "
+           f"median step of the rounds; commands in each run's results.md). Target: "
+           f"{TARGET_FACTOR:g} x S-SGD's mean final loss = {target:.4f}; the curves have a "
+           f"point every 100 steps, linear between. DiLoCo's step is the benchmark's inner "
+           f"step plus its outer all-reduce of every parameter over H (the planner's ring "
+           f"model at the link's rate: the benchmark's DiLoCo reaches no outer step in its "
+           f"timed steps); the DeMo-style method is timed at its default k 8 only. In "
+           f"brackets: the interval of the median step over the rounds, times the steps. "
+           f"4 ranks share this host's 2 cores (the floor is one process alone), so the "
+           f"times carry CPU scheduling as well as the link: read only differences whose "
+           f"intervals do not overlap.", "",
+           f"![Validation loss against time](img/{img.name})", "",
+           "| method | " + " | ".join(f"{name}: step | to {target:.3f} | 1,000 steps"
+                                      for name, _ in benches) + " |",
+           "|---|" + "---|---|---|" * len(benches)]
+    curves = {}
+    for label, (method, inner) in TIMED.items():
+        row = rows.get(label)
+        if row is None:
+            continue
+        curve = mean_curve(recipe, label, row["rate"], row["seeds"])
+        if curve is None:
+            continue
+        curves[label] = curve
+        cells = []
+        for (name, bench), axis in zip(benches, axes[0]):
+            step = link_step_s(bench, method, inner)
+            if step is None:
+                cells.append("– | – | –")
+                continue
+            low, high = (link_step_s(bench, method, inner, key)
+                         for key in ("step_s_low", "step_s_high"))
+            span = lambda n: ("" if low is None or high is None  # noqa: E731
+                              else f" [{n * low:.{0 if n > 1 else 3}f}, "
+                                   f"{n * high:.{0 if n > 1 else 3}f}]")
+            reach = steps_to(curve, target)
+            cells.append(f"{step:.3f} s{span(1)} | "
+                         + ("not reached" if reach is None
+                            else f"{reach * step:.0f} s{span(reach)}")
+                         + f" | {curve[0][-1] * step:.0f} s{span(curve[0][-1])}")
+            axis.plot([x * step for x in curve[0]], curve[1], marker=".", label=label)
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    for (name, bench), axis in zip(benches, axes[0]):
+        axis.axhline(target, color="grey", linestyle=":", linewidth=1)
+        axis.set_ylim(top=min(2.6, axis.get_ylim()[1]))
+        axis.set_xlabel(f"seconds at {name} (step time x steps)")
+        axis.set_ylabel("validation loss (mean of the seeds)")
+        axis.set_title(f"{recipe.title} on {name}", fontsize=9)
+        axis.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(img, dpi=110)
+    plt.close(fig)
+    return out + [""]
 
 
 #: The generated part of README.md (and docs/guide.md): the defaults on each recipe.

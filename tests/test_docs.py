@@ -117,6 +117,22 @@ def test_the_adamw_summary_is_current(lm_study, page, prefix, tmp_path):
         f"{page} is not what scripts/lm_study.py --report-only writes: run it"
 
 
+def test_time_to_a_target_interpolates_and_adds_dilocos_outer_step(lm_study):
+    from hvd_acp.plan.cost import Network, allreduce_s
+    curve = ([0, 100, 200], [5.0, 2.0, 1.0])
+    assert lm_study.steps_to(curve, 1.5) == pytest.approx(150.0)
+    assert lm_study.steps_to(curve, 2.0) == pytest.approx(100.0)
+    assert lm_study.steps_to(curve, 0.5) is None
+    bench = {"config": {"np": 4, "bandwidth_mbit": 100.0},
+             "methods": {"diloco": {"step_s_median": 0.2, "gradient_bytes": 1e6},
+                         "acp": {"step_s_median": 0.1, "gradient_bytes": 1e6}}}
+    assert lm_study.link_step_s(bench, "acp", None) == 0.1
+    assert lm_study.link_step_s(bench, "ssgd", None) is None
+    outer = allreduce_s(1e6, 4, Network(bandwidth_mbit=100.0))
+    assert outer > 0.1          # 1 MB over a 100 Mbit/s ring of 4
+    assert lm_study.link_step_s(bench, "diloco", 10) == pytest.approx(0.2 + outer / 10)
+
+
 def test_the_layout_table_names_every_module():
     table = (REPO / "docs" / "algorithm.md").read_text(encoding="utf-8").split("## Layout", 1)[1]
     package = REPO / "hvd_acp"
