@@ -115,17 +115,6 @@ def worker_model(model: str) -> str:
     return f"{path.resolve()}:{model.rpartition(':')[2]}"
 
 
-def _importable_beside(model: str) -> None:
-    """Put the directory of a user's model file first on ``sys.path``, as
-    ``python path/to/file.py`` does: the file may import its neighbours
-    (examples/train_lm.py imports ``common``)."""
-    path = model_file(model)
-    if path is not None:
-        directory = str(path.resolve().parent)
-        if directory not in sys.path:
-            sys.path.insert(0, directory)
-
-
 def make_optimizer(name: str, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
     """``--optimizer``: SGD with momentum 0.9, or AdamW with its defaults, at ``lr``."""
     if name == "sgd":
@@ -381,7 +370,6 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     # in a session of its own, out of reach of a kill of horovodrun's group.
     Path(args.result_dir, f"{job.key}.rank{rank}.pid").write_text(str(os.getpid()))
 
-    _importable_beside(args.model)
     spec = build_model(args.model, args.batch_size, image_size=args.image_size,
                        seq_len=args.seq_len, data_seed=rank)
     params = [p for p in spec.model.parameters() if p.requires_grad]

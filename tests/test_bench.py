@@ -514,7 +514,7 @@ def test_torch_hook_rank_sends_about_what_hvd_acps_powersgd_sends():
 
 @pytest.fixture
 def importable_examples(monkeypatch):
-    """examples/ put on sys.path as the worker does for a model file, undone after."""
+    """examples/ put on sys.path (as loading a model file does), undone after."""
     monkeypatch.setattr(sys, "path", list(sys.path))
     had_common = "common" in sys.modules
     yield
@@ -523,9 +523,8 @@ def importable_examples(monkeypatch):
 
 
 def test_train_lm_benchmark_model_builds_and_backprops(importable_examples):
-    from benchmarks.worker import _importable_beside
     from hvd_acp.plan.models import build_user_model
-    _importable_beside(LM_MODEL)
+    # Loading the file puts its directory on sys.path: train_lm.py imports ``common``.
     spec = build_user_model(LM_MODEL, 3)
     module = spec.loss_fn.__globals__          # train_lm.py's, loaded from its file
     defaults = module["parse_args"]([])

@@ -220,6 +220,9 @@ def _import_function(target: str) -> Callable[..., Any]:
         path = Path(module_name).resolve()
         if not path.is_file():
             raise ValueError(f"--model {target!r}: no file {path}")
+        # As ``python path/to/file.py`` does: the file may import its neighbours.
+        if str(path.parent) not in sys.path:
+            sys.path.insert(0, str(path.parent))
         spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
