@@ -17,12 +17,13 @@ from typing import List, Optional
 
 from hvd_acp.methods import KEYS
 from hvd_acp.plan.models import (DEFAULT_BATCH_SIZE, DEFAULT_USER_BATCH_SIZE, MODELS,
-                                  check_model_name, default_batch_size, default_matrix_rank)
+                                  check_model_name, default_batch_size, default_matrix_rank,
+                                  model_file)
 from hvd_acp.plan.units import matrix_rank_type, number_type, parse_bandwidth, positive_int
 
 from .netem import NetworkSetupError, check_can_emulate
 from .stats import parse_methods
-from .worker import OPTIMIZERS, model_file
+from .worker import OPTIMIZERS
 
 PROG = "python -m benchmarks"
 #: The smallest number of rounds for which a distribution-free interval of

@@ -27,7 +27,7 @@ import torch
 from hvd_acp.counting import powersgd_ddp_bytes_per_step
 from hvd_acp.methods import HOROVOD, TORCHRUN, Distributed, Method
 from hvd_acp.methods import get as get_method
-from hvd_acp.plan.models import build_model, is_user_model
+from hvd_acp.plan.models import build_model, model_file
 from hvd_acp.plan.units import matrix_rank_type
 
 from .jobs import JOBS, LOCAL, Job
@@ -95,16 +95,6 @@ def link_tx_bytes(iface: str, proc_net_dev: str = "/proc/net/dev") -> int:
 
 
 # ------------------------------------------------------ model, optimizer
-def model_file(model: str) -> Optional[Path]:
-    """The file of a user's ``path/to/file.py:function`` (as given, maybe
-    relative); None for a built-in model or a ``package.module:function``.
-    The same rule as :func:`hvd_acp.plan.models.build_user_model`'s."""
-    if not is_user_model(model):
-        return None
-    module = model.rpartition(":")[0]
-    return Path(module) if module.endswith(".py") or os.sep in module else None
-
-
 def worker_model(model: str) -> str:
     """``--model`` as the workers get it: a user's file made absolute (from
     the current directory), so that it does not depend on where a launcher

@@ -48,6 +48,7 @@ SECTION = "lm-adam"
 SEEDS = (0, 1, 2)
 SSGD = "S-SGD"
 ACP = "ACP-SGD (defaults)"
+PSGD = "Power-SGD (defaults: ACP-SGD's bytes)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +96,7 @@ class Recipe:
 
 def horovod_methods(**extra) -> Dict[str, Tuple[str, ...]]:
     return {SSGD: ("--optimizer", "ssgd"), ACP: ("--optimizer", "acp"),
-            "Power-SGD (defaults: ACP-SGD's bytes)": ("--optimizer", "powersgd"), **extra}
+            PSGD: ("--optimizer", "powersgd"), **extra}
 
 
 #: The settings that were the advice before the defaults depended on the optimizer.
@@ -467,9 +468,12 @@ def frontier_report() -> List[str]:
            "tensors by AdamW (`--update sign`, step-ahead off), its rate swept like the "
            "baselines'.", "",
            f"![Bytes against final loss](img/{img.name})", ""]
+    timed = []
     for axis, recipe in zip(axes[0], recipes):
         best = best_rate(recipe)
         rows = frontier_rows(recipe, best)
+        if recipe.key == TIMED_RECIPE:
+            timed = rows
         out += [f"**{recipe.title}** (S-SGD's best rate {best})", "",
                 "| method | rate | seeds | mean final loss | mean vs S-SGD | sent, share of "
                 "S-SGD's | received |", "|---|---|---|---|---|---|---|"]
@@ -490,7 +494,7 @@ def frontier_report() -> List[str]:
     fig.tight_layout()
     fig.savefig(img, dpi=110)
     plt.close(fig)
-    return out + time_to_target_report()
+    return out + time_to_target_report(timed)
 
 
 #: The benchmark's runs of examples/train_lm.py's model at 4 ranks under AdamW
@@ -500,13 +504,11 @@ LINK_RUNS = (("100 Mbit/s", REPO / "bench-results" / "train_lm_np4_100mbit" / "r
              ("1 Gbit/s", REPO / "bench-results" / "train_lm_np4_1gbit" / "results.json"))
 #: The recipe whose curves the link runs time.
 TIMED_RECIPE = "train_lm_np4"
-#: Frontier label -> (the benchmark's method, DiLoCo's H where its outer
-#: all-reduce is added to the measured step). The benchmark's DiLoCo runs
-#: H 500 (no outer step among its timed steps) and its DeMo-style k 8.
-TIMED = {SSGD: ("ssgd", None), "S-SGD (fp16)": ("ssgd-fp16", None), ACP: ("acp", None),
-         "Power-SGD (defaults: ACP-SGD's bytes)": ("powersgd", None),
-         "DiLoCo, H 10": ("diloco", 10), "DiLoCo, H 50": ("diloco", 50),
-         "DeMo-style, k 8": ("demo", None)}
+#: Frontier label -> the benchmark's method that times it. The benchmark's
+#: DiLoCo runs H 500 (no outer step among its timed steps; :func:`link_step_s`
+#: adds the outer all-reduce at the label's own H) and its DeMo-style k 8.
+TIMED = {SSGD: "ssgd", "S-SGD (fp16)": "ssgd-fp16", ACP: "acp", PSGD: "powersgd",
+         "DiLoCo, H 10": "diloco", "DiLoCo, H 50": "diloco", "DeMo-style, k 8": "demo"}
 #: The target of the time to a loss: S-SGD's mean final loss times this.
 TARGET_FACTOR = 1.02
 
@@ -554,22 +556,28 @@ def link_step_s(bench: dict, method: str, inner_steps: Optional[int],
     return measured + outer / inner_steps
 
 
-def time_to_target_report() -> List[str]:
-    """The train_lm curves of the frontier timed by the link runs: time to
-    :data:`TARGET_FACTOR` times S-SGD's final loss and time of the whole run,
-    per link, with a figure of loss against time."""
+def _seconds(steps: float, step: float, low: Optional[float], high: Optional[float],
+             digits: int = 0) -> str:
+    """``steps`` at ``step`` seconds each, with the interval ``[low, high]`` of the step."""
+    text = f"{steps * step:.{digits}f} s"
+    if low is None or high is None:
+        return text
+    return text + f" [{steps * low:.{digits}f}, {steps * high:.{digits}f}]"
+
+
+def time_to_target_report(frontier: Sequence[dict]) -> List[str]:
+    """The curves of :data:`TIMED_RECIPE`'s ``frontier`` rows (:func:`frontier_rows`)
+    timed by the link runs: time to :data:`TARGET_FACTOR` times S-SGD's final
+    loss and time of the whole run, per link, with a figure of loss against time."""
     benches = [(name, json.loads(path.read_text(encoding="utf-8")))
                for name, path in LINK_RUNS if path.exists()]
-    recipe = recipe_of(TIMED_RECIPE)
-    best = best_rate(recipe)
-    if not benches or best is None:
+    rows = {row["label"]: row for row in frontier}
+    if not benches or SSGD not in rows:
         return []
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    rows = {row["label"]: row for row in frontier_rows(recipe, best)}
-    if SSGD not in rows:
-        return []
+    recipe = recipe_of(TIMED_RECIPE)
     target = rows[SSGD]["loss"] * TARGET_FACTOR
     img = REPO / "docs" / "img" / "convergence_lm_time.png"
     fig, axes = plt.subplots(1, len(benches), figsize=(6 * len(benches), 4.2), squeeze=False)
@@ -592,32 +600,28 @@ def time_to_target_report() -> List[str]:
            "| method | " + " | ".join(f"{name}: step | to {target:.3f} | 1,000 steps"
                                       for name, _ in benches) + " |",
            "|---|" + "---|---|---|" * len(benches)]
-    curves = {}
-    for label, (method, inner) in TIMED.items():
+    flags = {label: flags for label, flags, _ in FRONTIER}
+    for label, method in TIMED.items():
+        given = flags.get(label, ())
+        inner = int(given[given.index("--diloco-h") + 1]) if "--diloco-h" in given else None
         row = rows.get(label)
-        if row is None:
-            continue
-        curve = mean_curve(recipe, label, row["rate"], row["seeds"])
+        curve = None if row is None else mean_curve(recipe, label, row["rate"], row["seeds"])
         if curve is None:
             continue
-        curves[label] = curve
+        steps, losses = curve
+        reach = steps_to(curve, target)
         cells = []
         for (name, bench), axis in zip(benches, axes[0]):
-            step = link_step_s(bench, method, inner)
+            step, low, high = (link_step_s(bench, method, inner, key)
+                               for key in ("step_s_median", "step_s_low", "step_s_high"))
             if step is None:
                 cells.append("– | – | –")
                 continue
-            low, high = (link_step_s(bench, method, inner, key)
-                         for key in ("step_s_low", "step_s_high"))
-            span = lambda n: ("" if low is None or high is None  # noqa: E731
-                              else f" [{n * low:.{0 if n > 1 else 3}f}, "
-                                   f"{n * high:.{0 if n > 1 else 3}f}]")
-            reach = steps_to(curve, target)
-            cells.append(f"{step:.3f} s{span(1)} | "
-                         + ("not reached" if reach is None
-                            else f"{reach * step:.0f} s{span(reach)}")
-                         + f" | {curve[0][-1] * step:.0f} s{span(curve[0][-1])}")
-            axis.plot([x * step for x in curve[0]], curve[1], marker=".", label=label)
+            cells.append(" | ".join((
+                _seconds(1, step, low, high, digits=3),
+                "not reached" if reach is None else _seconds(reach, step, low, high),
+                _seconds(steps[-1], step, low, high))))
+            axis.plot([x * step for x in steps], losses, marker=".", label=label)
         out.append(f"| {label} | " + " | ".join(cells) + " |")
     for (name, bench), axis in zip(benches, axes[0]):
         axis.axhline(target, color="grey", linestyle=":", linewidth=1)
@@ -634,7 +638,6 @@ def time_to_target_report() -> List[str]:
 
 #: The generated part of README.md (and docs/guide.md): the defaults on each recipe.
 SUMMARY_MARKERS = ("<!-- lm:summary -->", "<!-- end lm:summary -->")
-PSGD = "Power-SGD (defaults: ACP-SGD's bytes)"
 
 
 def summary_table() -> List[str]:

@@ -651,7 +651,8 @@ def test_bad_model_or_optimizer_is_a_usage_error(capsys, argv, message):
 
 
 def test_worker_model_and_optimizer():
-    from benchmarks.worker import make_optimizer, model_file, worker_model
+    from benchmarks.worker import make_optimizer, worker_model
+    from hvd_acp.plan.models import model_file
     assert worker_model("small") == "small" and model_file("small") is None
     assert worker_model("pkg.mod:build") == "pkg.mod:build"
     assert model_file(LM_MODEL) == Path("examples/train_lm.py")

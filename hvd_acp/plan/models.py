@@ -21,14 +21,14 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
 import torch
 from torch import Tensor, nn
 
 __all__ = ["MODELS", "DEFAULT_BATCH_SIZE", "ModelSpec", "SmallNet", "build_model",
-           "build_user_model", "is_user_model", "default_matrix_rank", "check_model_name",
-           "default_batch_size", "add_model_arguments", "to_device"]
+           "build_user_model", "is_user_model", "model_file", "default_matrix_rank",
+           "check_model_name", "default_batch_size", "add_model_arguments", "to_device"]
 
 #: Model names accepted by ``--model``.
 MODELS = ("resnet50", "bert-base", "small")
@@ -63,6 +63,15 @@ class ModelSpec:
 def is_user_model(name: str) -> bool:
     """Whether ``--model name`` names a user's function (``module:function``)."""
     return ":" in name
+
+
+def model_file(name: str) -> Optional[Path]:
+    """The file of a user's ``path/to/file.py:function`` (as given, maybe
+    relative); None for a built-in model or a ``package.module:function``."""
+    if not is_user_model(name):
+        return None
+    module = name.rpartition(":")[0]
+    return Path(module) if module.endswith(".py") or os.sep in module else None
 
 
 def check_model_name(name: str) -> str:
@@ -216,8 +225,9 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 def _import_function(target: str) -> Callable[..., Any]:
     module_name, _, function_name = check_model_name(target).rpartition(":")
-    if module_name.endswith(".py") or os.sep in module_name:
-        path = Path(module_name).resolve()
+    file = model_file(target)
+    if file is not None:
+        path = file.resolve()
         if not path.is_file():
             raise ValueError(f"--model {target!r}: no file {path}")
         # As ``python path/to/file.py`` does: the file may import its neighbours.
