@@ -92,7 +92,7 @@ def add_framework_args(parser: argparse.ArgumentParser, *, out: str) -> None:
 def distributed_optimizer(name: str, optimizer: torch.optim.Optimizer, model: nn.Module, *,
                           matrix_rank, warmup_steps: int, seed: int,
                           step_ahead: Optional[float] = None, diagnostics: bool = False,
-                          **method_settings):
+                          both_factors: Optional[bool] = None, **method_settings):
     """Wrap ``optimizer`` for Horovod: the one line a user changes.
 
     ``method_settings`` are the baselines' own (:attr:`hvd_acp.methods.Method.settings`,
@@ -110,17 +110,14 @@ def distributed_optimizer(name: str, optimizer: torch.optim.Optimizer, model: nn
         raise SystemExit(f"--optimizer {name} takes no {', '.join(unknown)}: those flags "
                          "apply to " + " or ".join(k for k, m in REGISTRY.items()
                                                     if set(unknown) & set(m.settings)))
-    if method.settings:
-        if warmup_steps or step_ahead is not None or diagnostics:
-            raise SystemExit("--warmup-steps, --step-ahead and --diagnostics only apply to "
-                             "--optimizer acp or powersgd")
+    if method.settings or method.algorithm == "S-SGD":
+        if warmup_steps or step_ahead is not None or diagnostics or both_factors is not None:
+            raise SystemExit("--warmup-steps, --step-ahead, --both-factors and --diagnostics "
+                             "only apply to --optimizer acp or powersgd")
         return method.build(model, optimizer, **given).optimizer
-    if method.algorithm == "S-SGD":
-        if warmup_steps or step_ahead is not None or diagnostics:
-            raise SystemExit("--warmup-steps, --step-ahead and --diagnostics only apply to "
-                             "--optimizer acp or powersgd")
-        return method.build(model, optimizer).optimizer
     extra = {} if step_ahead is None else {"step_ahead": step_ahead}
+    if both_factors is not None:
+        extra["both_factors"] = both_factors
     if diagnostics:
         extra["diagnostics"] = True
     return method.build(model, optimizer, matrix_rank=matrix_rank, warmup_steps=warmup_steps,

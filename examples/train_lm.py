@@ -56,6 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lr-warmup-steps", type=int, default=30,
                         help="steps of linear learning-rate warm-up before cosine decay")
     parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    parser.add_argument("--both-factors", choices=("on", "off"), default=None,
+                        help="acp: both factors every step (on) or P and Q in turn (off); "
+                             "default: the library's (on for adaptive optimizers)")
     parser.add_argument("--update", choices=("adamw", "sign"), default="adamw",
                         help="sign: the matrices step by the sign of their averaged gradient "
                              "(the DeMo-style update), the 1-D tensors by AdamW "
@@ -223,7 +226,10 @@ def main(argv=None) -> dict:
     optimizer = distributed_optimizer(args.optimizer, optimizer, model,
                                       matrix_rank=args.matrix_rank,
                                       warmup_steps=args.warmup_steps, seed=args.seed,
-                                      step_ahead=args.step_ahead, **baseline_settings(args))
+                                      step_ahead=args.step_ahead,
+                                      both_factors=(None if args.both_factors is None
+                                                    else args.both_factors == "on"),
+                                      **baseline_settings(args))
     total_steps = args.epochs * args.steps_per_epoch
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, args.lr_warmup_steps, total_steps))

@@ -16,6 +16,15 @@ The Q step is the same computation on the transposed matrices with the roles
 of the factors swapped, which is why the same functions serve both: the
 caller passes ``M.T`` / ``E.T`` views and ``Ph`` for a Q step.
 
+A step of both factors (``Phase.PQ``, the default for adaptive optimizers)
+sends ``P_i = A @ Qh`` and ``Q_i = A.T @ Ph``, each on the other factor's
+basis from the previous step, in one all-reduce of (n + m) r elements: the
+projection of ``A`` on the tangent space of both bases, which takes up to
+2r directions of the current gradient and refreshes both bases every step::
+
+    G = P @ Qh.T + Ph @ (Q.T - (Ph.T @ P) @ Qh.T)
+    E = A - (the same from P_i, Q_i) = (I - Ph Ph.T) A (I - Qh Qh.T)
+
 The residual is this rank's own unsent part (the paper's form), computed in
 the backward hook without waiting for the all-reduce. It is what the rank
 still owes the model, which step-ahead error feedback
@@ -45,6 +54,9 @@ __all__ = [
     "compress_columns_",
     "local_residual_columns_",
     "reconstruct_",
+    "compress_both_",
+    "local_residual_both_",
+    "reconstruct_both_",
     "init_factor",
     "step_ahead_shift",
     "phase_of",
@@ -54,16 +66,18 @@ __all__ = [
 class Phase(enum.Enum):
     """Which payload a step all-reduces.
 
-    ``P`` and ``Q`` alternate after every optimizer step. ``DENSE`` is the
-    exact averaging of full gradients used during warm-up steps.
+    ``P`` and ``Q`` alternate after every optimizer step; ``PQ`` sends both
+    factors every step (``both_factors``). ``DENSE`` is the exact averaging
+    of full gradients used during warm-up steps.
     """
 
     P = "P"
     Q = "Q"
+    PQ = "PQ"
     DENSE = "dense"
 
     def flipped(self) -> "Phase":
-        """The phase of the next compressed step (``DENSE`` is not flipped)."""
+        """The phase of the next compressed step (``DENSE`` and ``PQ`` are not flipped)."""
         if self is Phase.P:
             return Phase.Q
         if self is Phase.Q:
@@ -71,11 +85,14 @@ class Phase(enum.Enum):
         return self
 
 
-def phase_of(step_count: int, warmup_steps: int) -> Phase:
-    """The phase of step ``step_count``: DENSE during warm-up, then P, Q, P, ..."""
+def phase_of(step_count: int, warmup_steps: int, both_factors: bool = False) -> Phase:
+    """The phase of step ``step_count``: DENSE during warm-up, then P, Q, P,
+    ... (or PQ, PQ, ... with ``both_factors``)."""
     compressed_steps = step_count - warmup_steps
     if compressed_steps < 0:
         return Phase.DENSE
+    if both_factors:
+        return Phase.PQ
     return Phase.P if compressed_steps % 2 == 0 else Phase.Q
 
 
@@ -277,6 +294,62 @@ def reconstruct_(target: Tensor, left: Tensor, right: Tensor,
     has that view already.
     """
     torch.mm(left, _transposed(right) if right_t is None else right_t, out=target)
+
+
+def compress_both_(grad: Optional[Tensor], error: Tensor, p_basis: Tensor, q_basis: Tensor,
+                   out: Tensor) -> None:
+    """This rank's two factors for a step of both factors, with error feedback.
+
+    Args:
+        grad: shape (n, m), this rank's gradient matrix ``M``; ``None`` for zero.
+        error: shape (n, m), the residual ``E``; modified in place to hold
+            ``A = M + E`` until :func:`local_residual_both_`.
+        p_basis: shape (n, r), ``Ph``; q_basis: shape (m, r), ``Qh``.
+        out: shape (n + m, r): rows ``:n`` receive ``P_i = A @ Qh``, rows
+            ``n:`` receive ``Q_i = A.T @ Ph``.
+    """
+    if grad is not None:
+        error.add_(grad)
+    n = error.shape[0]
+    project_(error, q_basis, out[:n])
+    out[n:].copy_(_transposed(torch.mm(_transposed(p_basis), error)))
+
+
+def _tangent_rest(p: Tensor, q_t: Tensor, p_basis: Tensor, q_basis: Tensor) -> Tensor:
+    """``Q^T - (Ph^T P) Qh^T``, shape (r, m): the Q side's part outside ``Qh``."""
+    core = torch.mm(_transposed(p_basis), p)
+    return torch.addmm(q_t, core, _transposed(q_basis), alpha=-1)
+
+
+def local_residual_both_(error: Tensor, p: Tensor, q_t: Tensor, p_basis: Tensor,
+                         q_basis: Tensor) -> None:
+    """``E = A - P_i Qh^T - Ph (Q_i^T - Ph^T P_i Qh^T)``, which is
+    ``(I - Ph Ph^T) A (I - Qh Qh^T)``: what neither factor carries.
+
+    Args:
+        error: shape (n, m), holds ``A`` (see :func:`compress_both_`); modified in place.
+        p: shape (n, r), ``P_i``; q_t: shape (r, m), ``Q_i^T``.
+        p_basis, q_basis: ``Ph`` (n, r) and ``Qh`` (m, r).
+    """
+    rest = _tangent_rest(p, q_t, p_basis, q_basis)
+    error.addmm_(p, _transposed(q_basis), alpha=-1)
+    error.addmm_(p_basis, rest, alpha=-1)
+
+
+def reconstruct_both_(target: Tensor, p: Tensor, q: Tensor, p_basis: Tensor,
+                      q_basis: Tensor) -> Tuple[Tensor, Tensor]:
+    """``G = P Qh^T + Ph (Q^T - Ph^T P Qh^T)`` into ``target`` (n, m), from the
+    averaged ``P`` (n, r) and ``Q`` (m, r).
+
+    Returns:
+        ``(P, Q^T - Ph^T P Qh^T)``: the two terms are orthogonal (the second
+        vanishes on ``Qh``, up to the rounding of the average), so their
+        squared norms add up to ``||G||^2`` without reading ``G``.
+    """
+    rest = _tangent_rest(p, _transposed(q), p_basis, q_basis)
+    torch.mm(p, _transposed(q_basis), out=target)
+    target.addmm_(p_basis, rest)
+    return p, rest
 
 
 def _transposed(matrix: Tensor) -> Tensor:

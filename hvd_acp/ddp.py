@@ -93,11 +93,12 @@ class ACPState:
                  named_parameters: Optional[Iterable[Tuple[str, Tensor]]] = None,
                  optimizer: Optional[torch.optim.Optimizer] = None,
                  step_ahead: Optional[float] = None,
-                 fp16_wire: Optional[bool] = None) -> None:
+                 fp16_wire: Optional[bool] = None,
+                 both_factors: Optional[bool] = None) -> None:
         self.settings = Settings(matrix_rank=matrix_rank,
                                  min_compression_rate=min_compression_rate,
                                  warmup_steps=warmup_steps, seed=seed, step_ahead=step_ahead,
-                                 fp16_wire=fp16_wire)
+                                 fp16_wire=fp16_wire, both_factors=both_factors)
         self.process_group = process_group
         self._buckets = BucketReducer(process_group)
         self.optimizer: Optional[torch.optim.Optimizer] = None

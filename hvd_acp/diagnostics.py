@@ -8,9 +8,10 @@ summed over the compressed tensors of this rank, one record per step:
   rank still owes against the gradient it computed;
 - ``kept_share``: ``||A B||^2 / ||A||^2``, the share of the accumulated
   gradient ``A = M + E`` that the projection onto the step's basis ``B``
-  (``Qh`` or ``Ph``) keeps, i.e. what reaches the factors;
+  (``Qh`` or ``Ph``; on a PQ step the tangent space of both) keeps, i.e.
+  what reaches the factors;
 - ``subspace_turn``: ``1 - ||B_t^T B_{t-2}||_F^2 / r``, how far the basis of
-  one side (rows on P steps, columns on Q steps) turned since that side's
+  one side (rows on P steps, columns on Q steps, both on PQ steps) turned since that side's
   previous step: 0 when it stayed, 1 when it became orthogonal;
 - ``grad_norm``, ``applied_norm``, ``residual_norm``: ``||M||``, ``||G||``
   and ``||E||`` themselves.
@@ -22,7 +23,7 @@ default.
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -83,17 +84,19 @@ class Recorder:
     def __init__(self) -> None:
         self.records: List[dict] = []
         self.current: Optional[StepRecord] = None
-        self._previous: Dict[Tuple[str, str], Tensor] = {}
+        self._previous: Dict[Tuple[str, str, int], Tensor] = {}
 
-    def start(self, step: int, phase: str, bases: Iterable[Tuple[str, Tensor]]) -> None:
-        """A compressed step begins on ``bases`` (name, basis): record how far
-        each basis turned since the same side's previous step."""
+    def start(self, step: int, phase: str, bases: Iterable[Tuple[str, Any]]) -> None:
+        """A compressed step begins on ``bases`` (name, basis, or the pair
+        (Ph, Qh) of a PQ step): record how far each basis turned since the
+        same side's previous step."""
         self.current = StepRecord(step, phase)
         for name, basis in bases:
-            previous = self._previous.get((phase, name))
-            if previous is not None:
-                self.current.turns.append(subspace_turn(basis, previous))
-            self._previous[(phase, name)] = basis.clone()
+            for side, one in enumerate(basis if isinstance(basis, tuple) else (basis,)):
+                previous = self._previous.get((phase, name, side))
+                if previous is not None:
+                    self.current.turns.append(subspace_turn(one, previous))
+                self._previous[(phase, name, side)] = one.clone()
 
     def finish(self) -> None:
         """The step in progress is over."""

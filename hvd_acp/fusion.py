@@ -52,13 +52,14 @@ class TensorLayout:
         """Elements this tensor puts on the wire in ``phase``."""
         if not self.compressed or phase is Phase.DENSE:
             return self.numel
-        return (self.n if phase is Phase.P else self.m) * self.r
+        return self.payload_shape(phase)[0] * self.r
 
     def payload_shape(self, phase: Phase) -> Tuple[int, ...]:
         """Shape of this tensor's slot in a buffer of ``phase``."""
         if not self.compressed or phase is Phase.DENSE:
             return self.shape
-        return (self.n if phase is Phase.P else self.m, self.r)
+        rows = {Phase.P: self.n, Phase.Q: self.m, Phase.PQ: self.n + self.m}[phase]
+        return (rows, self.r)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -81,6 +81,9 @@ class DistributedOptimizer(LocalStep):
         step_ahead: step-ahead error feedback (0 switches it off). The
             parameters hold the true weights between ``step()`` and the next
             training forward pass (:meth:`true_weights` in between).
+        both_factors: send both factors every step, each on the other's
+            previous basis, in one all-reduce (default: for adaptive
+            optimizers); see :class:`hvd_acp.Settings`.
         fusion_threshold_bytes: the S-SGD fusion threshold the buffers are
             planned from; each buffer's payload is about this times the
             phase's compression ratio. 0 gives one buffer per tensor.
@@ -112,7 +115,7 @@ class DistributedOptimizer(LocalStep):
                  sparse_as_dense: bool = False, process_set=None, *,
                  matrix_rank=None, min_compression_rate: Optional[float] = None,
                  warmup_steps: Optional[int] = None, seed: Optional[int] = None,
-                 step_ahead: Optional[float] = None,
+                 step_ahead: Optional[float] = None, both_factors: Optional[bool] = None,
                  fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD_BYTES,
                  overlap: bool = True, diagnostics: bool = False,
                  communicator: Optional[Communicator] = None):
@@ -126,7 +129,7 @@ class DistributedOptimizer(LocalStep):
             settings = Settings(
                 matrix_rank=matrix_rank, min_compression_rate=min_compression_rate,
                 warmup_steps=warmup_steps, seed=seed, step_ahead=step_ahead,
-                fp16_wire=HorovodCommunicator.fp16_wire_of(compression),
+                fp16_wire=HorovodCommunicator.fp16_wire_of(compression), both_factors=both_factors,
             ).resolve(optimizer, factors_per_step=self.factors_per_step)
             args.check()
             named = _named_parameters(optimizer, named_parameters)

@@ -179,8 +179,9 @@ class ACPReducer:
         return self._round
 
     def _prepare_bases(self) -> None:
-        """Orthonormalize every reused factor once per phase: ``Qh = orth(Q)``
-        for a P step, ``Ph = orth(P)`` for a Q step (same shapes batched)."""
+        """Orthonormalize every reused factor once per step: ``Qh = orth(Q)``
+        for a P step, ``Ph = orth(P)`` for a Q step, both for a PQ step
+        (same shapes batched)."""
         phase = self.phase
         if self._bases_phase is phase:
             return
@@ -263,6 +264,7 @@ class ACPReducer:
         if self.recorder is not None:
             self.recorder.finish()
         self.state.step_count += 1
+        self._bases_phase = None            # this step's factors make the next bases
         self.register_hooks()
 
     def _complete(self, rnd: Round) -> None:

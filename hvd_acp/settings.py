@@ -29,17 +29,21 @@ logger = logging.getLogger(__name__)
 #: How to choose ``matrix_rank``: the one wording README, docs and
 #: docstrings use (a test holds them to it).
 RANK_ADVICE = ("Leave it to the default: rank 4 for SGD-like optimizers (CNNs), and for "
-               "Adam-family optimizers (transformers) half of each matrix's smaller side "
-               "with the factors in fp16 on the wire; a lower rank sends less and costs "
-               "accuracy.")
+               "Adam-family optimizers (transformers) a quarter of each matrix's smaller "
+               "side with both factors sent every step, in fp16 on the wire; a lower rank "
+               "sends less and costs accuracy.")
 
 #: The defaults by optimizer family (:func:`optimizer_family`). An adaptive
 #: optimizer divides each coordinate by its own RMS, so it applies every
 #: delayed or missing component of the gradient at full strength: it needs
-#: a large share of each matrix (docs/convergence.md, "Adam").
+#: a large share of each matrix, and both bases refreshed every step
+#: (docs/convergence.md, "Adam"). ``matrix_rank`` is the share of a method
+#: that sends one factor per step; one that sends two gets half of it.
 DEFAULTS = {
-    "sgd": {"matrix_rank": 4, "min_compression_rate": 2.0, "fp16_wire": False},
-    "adaptive": {"matrix_rank": 0.5, "min_compression_rate": 1.0, "fp16_wire": True},
+    "sgd": {"matrix_rank": 4, "min_compression_rate": 2.0, "fp16_wire": False,
+            "both_factors": False},
+    "adaptive": {"matrix_rank": 0.5, "min_compression_rate": 1.0, "fp16_wire": True,
+                 "both_factors": True},
 }
 COMMON_DEFAULTS = {"warmup_steps": 0, "seed": 0, "step_ahead": 0.2}
 
@@ -78,33 +82,42 @@ class Settings:
     compression. Bad values raise ``ValueError``/``TypeError`` naming the
     setting, when the object is made.
 
-    1. ``matrix_rank`` (default 4 for SGD, 0.5 for adaptive optimizers): the
-       compression, r. Each gradient of shape ``(n, ...)`` is viewed as an
-       ``n x m`` matrix and sends ``n r`` (P steps) or ``m r`` (Q steps)
-       elements instead of ``n m``. An int is one rank for every matrix; a
-       float in (0, 1) is a share of each matrix's smaller side, rounded up
-       (0.5: rank 64 for a 128 x 512 matrix). Higher is more accurate and
-       sends more. Leave it to the default: rank 4 for SGD-like optimizers
-       (CNNs), and for Adam-family optimizers (transformers) half of each
-       matrix's smaller side with the factors in fp16 on the wire; a lower
-       rank sends less and costs accuracy. ``"auto"`` (or an
-       :class:`~hvd_acp.AutoRank`) chooses a rank per tensor from the
+    1. ``matrix_rank`` (default 4 for SGD, 0.25 for adaptive optimizers):
+       the compression, r. Each gradient of shape ``(n, ...)`` is viewed as
+       an ``n x m`` matrix and sends ``n r`` (P steps) or ``m r`` (Q steps)
+       elements instead of ``n m``, or ``(n + m) r`` every step with
+       ``both_factors``. An int is one rank for every matrix; a float in
+       (0, 1) is a share of each matrix's smaller side, rounded up (0.25:
+       rank 32 for a 128 x 512 matrix). Higher is more accurate and sends
+       more. Leave it to the default: rank 4 for SGD-like optimizers (CNNs),
+       and for Adam-family optimizers (transformers) a quarter of each
+       matrix's smaller side with both factors sent every step, in fp16 on
+       the wire; a lower rank sends less and costs accuracy. ``"auto"`` (or
+       an :class:`~hvd_acp.AutoRank`) chooses a rank per tensor from the
        averaged gradients at probe steps (docs/guide.md, "Choosing the rank").
     2. ``fp16_wire`` (default False for SGD, True for adaptive optimizers):
        the fused buffers travel in float16, half the bytes of float32. The
        residual keeps full precision. In ``hvd_acp.DistributedOptimizer``
        Horovod's own argument says it: ``compression=hvd.Compression.fp16``
        (or ``.none``), ``None`` for the default.
-    3. ``warmup_steps`` (default 0): steps of exact averaging (every gradient
+    3. ``both_factors`` (default False for SGD, True for adaptive
+       optimizers): every step sends both factors, ``P = A Qh`` and ``Q =
+       A^T Ph`` on the previous step's bases, in the same single all-reduce,
+       instead of P and Q in turn. The gradient applied is ``A``'s
+       projection on both bases (up to 2r directions, both refreshed every
+       step): at half the rank it sends what alternation sends, and under
+       Adam it ends closer to S-SGD (docs/convergence.md, "Both factors").
+       With it a rank ``r`` sends ``(n + m) r`` elements per step.
+    4. ``warmup_steps`` (default 0): steps of exact averaging (every gradient
        sent whole) before compression starts. The first steps are the most
        sensitive to compression error; 0 is fine for most CNNs, transformers
        gain from a few hundred.
-    4. ``min_compression_rate`` (default 2.0 for SGD, 1.0 for adaptive
+    5. ``min_compression_rate`` (default 2.0 for SGD, 1.0 for adaptive
        optimizers): a matrix is compressed only if its two factors are at
        least this many times smaller than the matrix, ``(n + m) r * rate <=
        n m``; other tensors, and every 1-D tensor (biases, norms), are
        averaged exactly in the same all-reduce. 0 compresses every matrix.
-    5. ``step_ahead`` (default 0.2): step-ahead error feedback. Each rank
+    6. ``step_ahead`` (default 0.2): step-ahead error feedback. Each rank
        computes its next gradient at ``w - step_ahead * lr / (1 - momentum)
        * E_i`` (Adam-family: ``w - step_ahead * lr * E_i / (sqrt(v_hat) +
        eps)``), where the residual it still owes will take the weights. That
@@ -113,7 +126,7 @@ class Settings:
        otherwise feeds back late and momentum amplifies it
        (docs/convergence.md). It sends nothing more. 0 runs the published
        method.
-    6. ``seed`` (default 0): seed of the dedicated generator that draws the
+    7. ``seed`` (default 0): seed of the dedicated generator that draws the
        initial factors: identical on every rank, the global RNG untouched.
     """
 
@@ -123,6 +136,7 @@ class Settings:
     seed: Optional[int] = None
     step_ahead: Optional[float] = None
     fp16_wire: Optional[bool] = None
+    both_factors: Optional[bool] = None
 
     def __post_init__(self) -> None:
         given = self.resolve()          # the defaults pass; a bad given value raises
@@ -131,6 +145,9 @@ class Settings:
         check_step_ahead(given.step_ahead)
         if not isinstance(given.fp16_wire, bool):
             raise TypeError(f"fp16_wire must be True, False or None, got {self.fp16_wire!r}")
+        if not isinstance(given.both_factors, bool):
+            raise TypeError(f"both_factors must be True, False or None, got "
+                            f"{self.both_factors!r}")
 
     def resolve(self, optimizer: Optional[torch.optim.Optimizer] = None, *,
                 factors_per_step: int = 1) -> "Settings":
@@ -140,14 +157,22 @@ class Settings:
         ``optimizer``, the torch optimizer the settings train
         (:func:`optimizer_family`; None where a front end has none: the
         SGD defaults). ``factors_per_step`` is 2 for Power-SGD, which sends
-        both factors every step: its default share of an adaptive
-        optimizer's matrices is halved, so that it sends what ACP-SGD sends.
+        both factors every step in its own way (``both_factors`` is False
+        for it). A method sending two factors per step, Power-SGD or
+        ACP-SGD with ``both_factors``, gets half of an adaptive optimizer's
+        default share, so that it sends what ACP-SGD alternating sends.
         A default decided for a given optimizer is logged at INFO.
         """
         family = optimizer_family(optimizer)
         defaults = dict(DEFAULTS[family or "sgd"], **COMMON_DEFAULTS)
+        if factors_per_step > 1:
+            if self.both_factors:
+                raise ValueError("both_factors is ACP-SGD's: Power-SGD already sends both "
+                                 "factors, in two all-reduces per step")
+            defaults["both_factors"] = False
+        both = defaults["both_factors"] if self.both_factors is None else self.both_factors
         if family == "adaptive":
-            defaults["matrix_rank"] /= factors_per_step
+            defaults["matrix_rank"] /= factors_per_step * (2 if both else 1)
         missing = {key: value for key, value in defaults.items() if getattr(self, key) is None}
         if not missing:
             return self
@@ -168,4 +193,5 @@ class Settings:
         """The keyword arguments of :class:`~hvd_acp.state.CompressionState`."""
         return {"matrix_rank": self.matrix_rank,
                 "min_compression_rate": self.min_compression_rate,
-                "warmup_steps": self.warmup_steps, "seed": self.seed}
+                "warmup_steps": self.warmup_steps, "seed": self.seed,
+                "both_factors": self.both_factors}

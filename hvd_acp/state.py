@@ -15,7 +15,10 @@ Per compressed parameter (a gradient viewed as an (n, m) matrix ``M``)::
     G   = P Qh^T        (applied)         G   = Ph Q^T        (applied)
 
 ``Qh`` and ``Ph`` are the orthonormalized factors of the previous step
-(:meth:`CompressionState.orthonormal_bases`). The maths itself is in
+(:meth:`CompressionState.orthonormal_bases`). With ``both_factors`` every
+step is a PQ step: ``P_i = A Qh`` and ``Q_i = A^T Ph`` travel together, on
+the bases ``(Ph, Qh)``, and ``G`` is the projection of the average on the
+tangent space of both (:func:`.compression.reconstruct_both_`). The maths itself is in
 :mod:`.compression`; this module owns the tensors and their lifecycle:
 initial factors, a slot's payload (:meth:`CompressionState.encode_`, the
 residual left for after the launch where a front end asks), an averaged
@@ -47,9 +50,10 @@ import torch
 from torch import Tensor
 
 from .autorank import AutoRank, choose_rank, energy_curve, parse_matrix_rank, spectral_factors
-from .compression import (Phase, compress_, compress_columns_, compute_dtype, init_factor,
-                          local_residual_, local_residual_columns_, orthonormal_copies,
-                          orthonormalize_, phase_of, reconstruct_)
+from .compression import (Phase, compress_, compress_both_, compress_columns_, compute_dtype,
+                          init_factor, local_residual_, local_residual_both_,
+                          local_residual_columns_, orthonormal_copies, orthonormalize_,
+                          phase_of, reconstruct_, reconstruct_both_)
 from .fusion import TensorLayout, make_layouts, rank_limit
 
 logger = logging.getLogger(__name__)
@@ -91,7 +95,7 @@ class CompressedTensor:
         error: shape (n, m), this rank's residual ``E``.
     """
 
-    __slots__ = ("layout", "p", "q", "error", "_error_shaped", "_basis_t", "_sent")
+    __slots__ = ("layout", "p", "q", "error", "_error_shaped", "_basis_t", "_sent", "_g_terms")
 
     def __init__(self, layout: TensorLayout, generator: torch.Generator,
                  device: torch.device) -> None:
@@ -109,6 +113,9 @@ class CompressedTensor:
         #: A copy of this rank's P_i for a residual computed after the launch
         #: (the all-reduce writes the average over the slot); made once per shape.
         self._sent: Optional[Tensor] = None
+        #: (P, Q^T - Ph^T P Qh^T) of the last PQ step: ||G||^2 is the sum of
+        #: their squared norms (:meth:`committed`).
+        self._g_terms: Optional[Tuple[Tensor, Tensor]] = None
 
     def resize_(self, layout: TensorLayout, p: Tensor, q: Tensor) -> None:
         """Take a new rank (``layout.r``) with the factors ``p`` (n, r) and
@@ -118,12 +125,19 @@ class CompressedTensor:
         self.p = p.to(dtype=layout.dtype, device=self.error.device).contiguous()
         self.q = q.to(dtype=layout.dtype, device=self.error.device).contiguous()
 
-    def reused(self, phase: Phase) -> Tensor:
-        """The factor a step of ``phase`` projects on: Q for a P step, P for a Q step."""
+    def reused(self, phase: Phase):
+        """The factor a step of ``phase`` projects on: Q for a P step, P for a
+        Q step, the pair (P, Q) for a PQ step."""
+        if phase is Phase.PQ:
+            return self.p, self.q
         return self.q if phase is Phase.P else self.p
 
-    def committed(self, phase: Phase) -> Tensor:
-        """The factor a step of ``phase`` averages: P for a P step, Q for a Q step."""
+    def committed(self, phase: Phase):
+        """What has the norm of the step's ``G``: the factor a P or Q step
+        averages (its basis is orthonormal); after a PQ step the pair of
+        tensors whose squared norms add up to ``||G||^2``."""
+        if phase is Phase.PQ:
+            return self._g_terms
         return self.p if phase is Phase.P else self.q
 
     def compress_(self, phase: Phase, grad: Optional[Tensor], basis: Tensor, out: Tensor, *,
@@ -135,8 +149,10 @@ class CompressedTensor:
             phase: P or Q.
             grad: this rank's gradient, any shape with ``numel == n * m`` and
                 any floating dtype; ``None`` for a zero gradient.
-            basis: shape (m, r) (``Qh``) for a P step, (n, r) (``Ph``) for a Q step.
-            out: shape (n, r) for P, (m, r) for Q; receives ``A @ basis``.
+            basis: shape (m, r) (``Qh``) for a P step, (n, r) (``Ph``) for a Q
+                step, the pair ``(Ph, Qh)`` for a PQ step.
+            out: shape (n, r) for P, (m, r) for Q, receives ``A @ basis``;
+                (n + m, r) for PQ, receives ``A Qh`` over ``A^T Ph``.
             residual: keep ``E = A - out @ basis.T``. Without it ``error``
                 holds ``A`` afterwards (Power-SGD's first projection, whose
                 residual the second one computes).
@@ -162,16 +178,22 @@ class CompressedTensor:
         if phase is Phase.P:
             compress_(grad, error, basis, out)        # A = M + E, P_i = A Qh
             factor = out
+        elif phase is Phase.PQ:
+            compress_both_(grad, error, basis[0], basis[1], out)   # P_i over Q_i
+            factor = out
         else:
             factor = compress_columns_(grad, error, basis, out)   # Q_i = A^T Ph; Q_i^T back
         if record is not None:
             record.add_compressed(matrix, error, out)   # norms: either orientation
+            if phase is Phase.PQ:                       # the part on both bases, once
+                record.kept2 -= float(torch.mm(basis[0].t(), out[:self.layout.n])
+                                      .double().pow(2).sum())
         if not residual:
             return None
         if not defer:
             self._residual_(phase, basis, factor)
             return None
-        if phase is Phase.P:
+        if phase is not Phase.Q:
             sent = self._sent
             if sent is None or sent.shape != out.shape or sent.dtype != out.dtype:
                 sent = self._sent = torch.empty_like(out)
@@ -179,10 +201,15 @@ class CompressedTensor:
         return PendingResidual(self, phase, basis, factor)
 
     def _residual_(self, phase: Phase, basis: Tensor, factor: Tensor) -> None:
-        """``E = A - P_i Qh^T`` (P step, ``factor`` is ``P_i`` (n, r)) or
-        ``E = A - Ph Q_i^T`` (Q step, ``factor`` is ``Q_i^T`` (r, m))."""
+        """``E = A - P_i Qh^T`` (P step, ``factor`` is ``P_i`` (n, r)),
+        ``E = A - Ph Q_i^T`` (Q step, ``factor`` is ``Q_i^T`` (r, m)) or
+        ``E = (I - Ph Ph^T) A (I - Qh Qh^T)`` (PQ step, ``factor`` is the
+        payload (n + m, r): ``P_i`` over ``Q_i``)."""
         if phase is Phase.P:
             local_residual_(self.error, factor, basis, self._transpose(basis))
+        elif phase is Phase.PQ:
+            n = self.layout.n
+            local_residual_both_(self.error, factor[:n], factor[n:].transpose(0, 1), *basis)
         else:
             local_residual_columns_(self.error, basis, factor)
 
@@ -193,14 +220,25 @@ class CompressedTensor:
         return self._basis_t[1]
 
     def commit_(self, phase: Phase, averaged: Tensor) -> Tensor:
-        """Keep the averaged factor of ``phase`` for the next step; returns it."""
+        """Keep the averaged factor of ``phase`` (both: P over Q) for the next
+        step; returns it."""
+        if phase is Phase.PQ:
+            n = self.layout.n
+            self.p.copy_(averaged[:n])
+            self.q.copy_(averaged[n:])
+            return averaged
         factor = self.p if phase is Phase.P else self.q
         return factor.copy_(averaged)
 
-    def reconstruct_(self, phase: Phase, factor: Tensor, basis: Tensor, target: Tensor) -> None:
-        """``G`` into ``target`` (n, m): ``factor @ basis.T`` (P) or ``basis @ factor.T`` (Q)."""
+    def reconstruct_(self, phase: Phase, factor: Tensor, basis, target: Tensor) -> None:
+        """``G`` into ``target`` (n, m): ``factor @ basis.T`` (P), ``basis @
+        factor.T`` (Q), or the tangent projection of P over Q on ``basis``
+        = ``(Ph, Qh)`` (PQ, :func:`.compression.reconstruct_both_`)."""
         if phase is Phase.P:
             reconstruct_(target, factor, basis, self._transpose(basis))  # G = P Qh^T
+        elif phase is Phase.PQ:
+            n = self.layout.n
+            self._g_terms = reconstruct_both_(target, factor[:n], factor[n:], *basis)
         else:
             reconstruct_(target, basis, factor)            # G = Ph Q^T
 
@@ -299,6 +337,8 @@ class CompressionState:
             at probe steps (see :mod:`.autorank`).
         min_compression_rate: see :func:`.compression.should_compress`.
         warmup_steps: steps of exact averaging before compression starts.
+        both_factors: every compressed step sends both factors (PQ) instead
+            of P and Q in turn.
         seed: seed of the dedicated generator that draws the initial factors
             in the order parameters are added: identical on every rank that
             adds the same parameters, and the global RNG is untouched.
@@ -318,9 +358,10 @@ class CompressionState:
     """
 
     def __init__(self, *, matrix_rank: int, min_compression_rate: float, warmup_steps: int,
-                 seed: int) -> None:
+                 seed: int, both_factors: bool = False) -> None:
         check_compression_settings(matrix_rank, min_compression_rate, warmup_steps, seed)
         self.matrix_rank = matrix_rank
+        self.both_factors = bool(both_factors)
         #: The rank of a tensor's first layout (``max_rank`` under auto) and the
         #: auto-rank policy (None for a fixed rank).
         self._initial_rank, self.auto = parse_matrix_rank(matrix_rank)
@@ -362,17 +403,18 @@ class CompressionState:
     @property
     def phase(self) -> Phase:
         """Phase of the current step: DENSE during warm-up, then P, Q, P, ...
+        (PQ, PQ, ... with ``both_factors``).
 
         Under auto rank a probe step is DENSE too, and P, Q, ... start again
         after it (the first step after a probe uses the probe's Q).
         """
         if self.auto is None:
-            return phase_of(self.step_count, self.warmup_steps)
+            return phase_of(self.step_count, self.warmup_steps, self.both_factors)
         if self.step_count < self.warmup_steps or self.probing:
             return Phase.DENSE
         # P, Q, ... counted from the step after the last probe (or from warm-up's end).
         since = self.step_count - self.warmup_steps
-        return phase_of(since - self.auto.last_probe(since) - 1, 0)
+        return phase_of(since - self.auto.last_probe(since) - 1, 0, self.both_factors)
 
     @property
     def probing(self) -> bool:
@@ -572,7 +614,8 @@ class CompressionState:
     def describe(self, fp16_wire: bool = False) -> str:
         """One line for the log: what is compressed at which ranks, and the
         share of S-SGD's bytes a step sends (P and Q steps on average)."""
-        sent_bytes = sum((lay.payload_numel(Phase.P) + lay.payload_numel(Phase.Q)) / 2
+        phases = (Phase.PQ,) if self.both_factors else (Phase.P, Phase.Q)
+        sent_bytes = sum(sum(lay.payload_numel(phase) for phase in phases) / len(phases)
                          * (2 if fp16_wire else lay.dtype.itemsize)
                          for lay in self.layouts.values())
         dense = sum(lay.numel * lay.grad_dtype.itemsize for lay in self.layouts.values())
@@ -584,6 +627,8 @@ class CompressionState:
 
     def compressed_elements(self) -> int:
         """Elements one rank sends in a compressed step (the larger of P and Q)."""
+        if self.both_factors:
+            return self.wire_elements(Phase.PQ)
         return max(self.wire_elements(Phase.P), self.wire_elements(Phase.Q))
 
     @property
@@ -605,15 +650,21 @@ class CompressionState:
 
     def orthonormal_bases(self, phase: Phase, names: Iterable[str],
                           out: Optional[Dict[str, Tensor]] = None) -> Dict[str, Tensor]:
-        """The orthonormalized reused factor (``Qh`` or ``Ph``) of each of ``names``.
+        """The orthonormalized reused factor (``Qh`` or ``Ph``; the pair
+        ``(Ph, Qh)`` for PQ) of each of ``names``.
 
         Same-shaped factors are orthonormalized in one batched call, and each
         basis is a view of its batch's result (nothing copied back). Written
-        into ``out`` (name -> tensor) if given; the factors themselves are
+        into ``out`` (name -> basis) if given; the factors themselves are
         left as they are.
         """
         out = {} if out is None else out
         names = list(names)
+        if phase is Phase.PQ:
+            tensors = [self.tensors[name] for name in names]
+            bases = orthonormal_copies([t.p for t in tensors] + [t.q for t in tensors])
+            out.update(zip(names, zip(bases[:len(names)], bases[len(names):])))
+            return out
         out.update(zip(names, orthonormal_copies(self.tensors[name].reused(phase)
                                                  for name in names)))
         return out
@@ -625,7 +676,8 @@ class CompressionState:
         return {"matrix_rank": self._initial_rank, "auto_rank": int(self.auto is not None),
                 **{f"auto_{key}": auto.get(key, 0) for key in AutoRank.__dataclass_fields__},
                 "min_compression_rate": self.min_compression_rate,
-                "warmup_steps": self.warmup_steps, "seed": self.seed}
+                "warmup_steps": self.warmup_steps, "seed": self.seed,
+                "both_factors": int(self.both_factors)}
 
     def fingerprint(self) -> Tuple[int, float]:
         """(step count, sum of every factor in float64): equal on every rank

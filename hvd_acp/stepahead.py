@@ -318,9 +318,10 @@ class AppliedScale:
     def clear(self) -> None:
         self._factors, self._versions = [], []
 
-    def wrote(self, param: Tensor, factor: Optional[Tensor]) -> None:
-        """``param.grad`` was written with the averaged ``factor`` (None for a
-        non-finite one, which no scale explains)."""
+    def wrote(self, param: Tensor, factor) -> None:
+        """``param.grad`` was written with the averaged ``factor`` (a tensor,
+        or a tuple of tensors whose squared norms add up to the gradient's;
+        None for a non-finite one, which no scale explains)."""
         self._factors.append(factor)
         self._versions.append((param, param.grad._version))
 
@@ -330,7 +331,8 @@ class AppliedScale:
         changed = any(p.grad is not None and p.grad._version != v for p, v in self._versions)
         if not changed or any(f is None for f in self._factors):
             return 1.0
-        written = sum(float(f.double().pow(2).sum()) for f in self._factors)
+        written = sum(float(t.double().pow(2).sum()) for f in self._factors
+                      for t in (f if isinstance(f, tuple) else (f,)))
         if written <= 0:
             return 1.0
         now = sum(float(p.grad.double().pow(2).sum())

@@ -48,6 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="register_acp(step_ahead=...); default: the library's")
     parser.add_argument("--fp16-wire", choices=("on", "off"), default=None,
                         help="register_acp(fp16_wire=...); default: the library's")
+    parser.add_argument("--both-factors", choices=("on", "off"), default=None,
+                        help="register_acp(both_factors=...); default: the library's")
     parser.add_argument("--warmup-steps", type=int, default=None,
                         help="register_acp(warmup_steps=...): exact steps first; default: "
                              "the library's")
@@ -138,7 +140,8 @@ def main(argv=None) -> None:
                       eval_dataset=EvenWindows(val, args.seq_len, args.val_windows))
     settings = {"matrix_rank": args.matrix_rank, "step_ahead": args.step_ahead,
                 "warmup_steps": args.warmup_steps,
-                "fp16_wire": None if args.fp16_wire is None else args.fp16_wire == "on"}
+                "fp16_wire": None if args.fp16_wire is None else args.fp16_wire == "on",
+                "both_factors": None if args.both_factors is None else args.both_factors == "on"}
     acp = register_acp(trainer, **settings) if args.method == "acp" else None
     start = time.time()
     result = trainer.train()

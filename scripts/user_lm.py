@@ -65,6 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--fp16-wire", choices=("on", "off"), default=None,
                         help="acp, powersgd: the factors in fp16 on the wire or not "
                              "(default: the library's)")
+    parser.add_argument("--both-factors", choices=("on", "off"), default=None,
+                        help="acp: both factors every step (on) or P and Q in turn (off); "
+                             "default: the library's (on for adaptive optimizers)")
     parser.add_argument("--diloco-h", type=int, default=None,
                         help="diloco: inner steps between outer steps (default: the library's)")
     parser.add_argument("--diloco-outer-lr", type=float, default=None)
@@ -184,6 +187,8 @@ def main(argv=None) -> dict:
     if args.fp16_wire is not None:
         extra["compression"] = hvd.Compression.fp16 if args.fp16_wire == "on" \
             else hvd.Compression.none
+    if args.both_factors is not None:
+        extra["both_factors"] = args.both_factors == "on"
     if extra and args.optimizer in ("diloco", "demo"):
         raise SystemExit(f"--optimizer {args.optimizer} takes none of {sorted(extra)}")
     if args.optimizer in ("ssgd", "ssgd-fp16"):

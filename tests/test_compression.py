@@ -238,7 +238,7 @@ def test_init_factor_is_reproducible_from_the_seed():
 
 
 @pytest.mark.parametrize("phase, expected", [(Phase.P, Phase.Q), (Phase.Q, Phase.P),
-                                             (Phase.DENSE, Phase.DENSE)])
+                                             (Phase.PQ, Phase.PQ), (Phase.DENSE, Phase.DENSE)])
 def test_phase_flipped(phase, expected):
     assert phase.flipped() is expected
 
@@ -275,3 +275,40 @@ def test_precomputed_transposes_give_the_same_products():
     reconstruct_(target_t, factor, basis, basis.t())
     assert torch.equal(target, target_t)
     assert_close(target, factor @ basis.t(), atol=1e-12, rtol=0)
+
+
+def _tangent(matrix, p_basis, q_basis):
+    """The projection on the tangent space of both bases, written out."""
+    n, m = matrix.shape
+    left = torch.eye(n, dtype=matrix.dtype) - p_basis @ p_basis.t()
+    right = torch.eye(m, dtype=matrix.dtype) - q_basis @ q_basis.t()
+    return matrix - left @ matrix @ right
+
+
+@pytest.mark.parametrize("n, m, r", [(12, 7, 3), (5, 16, 2), (6, 6, 6)])
+def test_both_factors_send_the_tangent_projection_and_keep_the_rest(n, m, r):
+    from hvd_acp.compression import compress_both_, local_residual_both_, reconstruct_both_
+    dt = torch.float64
+    ph = _orthonormalized(_randn(n, r, seed=1).to(dt))
+    qh = _orthonormalized(_randn(m, r, seed=2).to(dt))
+    grads = [_randn(n, m, seed=10 + i).to(dt) for i in range(3)]       # three ranks
+    errors = [_randn(n, m, seed=20 + i).to(dt) for i in range(3)]
+    accumulated = [g + e for g, e in zip(grads, errors)]
+    outs = []
+    for grad, error, acc in zip(grads, errors, accumulated):
+        out = torch.empty(n + m, r, dtype=dt)
+        compress_both_(grad, error, ph, qh, out)
+        assert_close(error, acc)                       # A, until the residual
+        assert_close(out[:n], acc @ qh)
+        assert_close(out[n:], acc.t() @ ph)
+        local_residual_both_(error, out[:n], out[n:].t(), ph, qh)
+        assert_close(error, acc - _tangent(acc, ph, qh))
+        outs.append(out)
+    mean = sum(outs) / 3
+    target = torch.full((n, m), float("nan"), dtype=dt)
+    p, rest = reconstruct_both_(target, mean[:n], mean[n:], ph, qh)
+    assert_close(target, _tangent(sum(accumulated) / 3, ph, qh))     # linear in A
+    assert_close(p.pow(2).sum() + rest.pow(2).sum(), target.pow(2).sum())
+    if r == min(n, m):                                 # a full basis on one side: exact
+        assert_close(target, sum(accumulated) / 3)
+        assert_close(errors[0], torch.zeros_like(errors[0]))

@@ -18,7 +18,7 @@ from tests.hvdrun import run_with_timeout, torchrun
 
 TWO_RANK_CASES = ["replicas", "full_rank", "error_feedback", "no_sync", "unused", "dtypes",
                   "nonfinite", "step_ahead", "step_ahead_closure", "checkpoint", "errors",
-                  "fp16_wire"]
+                  "fp16_wire", "both_factors"]
 
 NO_HOROVOD = textwrap.dedent("""
     import importlib.abc, sys
@@ -190,6 +190,12 @@ def two_rank_output(tmp_path_factory):
 @pytest.mark.parametrize("case", TWO_RANK_CASES)
 def test_two_ranks(two_rank_output, case):
     assert ok_ranks(two_rank_output, case) == [0, 1], two_rank_output[-6000:]
+
+
+@pytest.mark.ddp
+def test_both_factors_at_four_ranks(tmp_path):
+    out = torchrun("ddp_cases.py", "--dir", str(tmp_path), "both_factors", np=4, timeout=240)
+    assert ok_ranks(out, "both_factors") == [0, 1, 2, 3], out[-6000:]
 
 
 @pytest.mark.ddp

@@ -7,11 +7,12 @@ import torch
 
 import hvd_acp
 import hvd_acp.ddp
+from hvd_acp.compression import Phase
 from hvd_acp.methods import Method
 from hvd_acp.settings import Settings, optimizer_family
 
 FIELDS = ("matrix_rank", "min_compression_rate", "warmup_steps", "seed", "step_ahead",
-          "fp16_wire")
+          "fp16_wire", "both_factors")
 
 
 def sgd():
@@ -25,17 +26,24 @@ def adamw():
 def test_the_defaults_depend_on_the_optimizer_family():
     resolved = Settings().resolve(sgd())
     assert resolved == Settings(matrix_rank=4, min_compression_rate=2.0, warmup_steps=0,
-                                seed=0, step_ahead=0.2, fp16_wire=False)
+                                seed=0, step_ahead=0.2, fp16_wire=False, both_factors=False)
     assert Settings().resolve() == resolved           # no optimizer: the SGD defaults
-    adaptive = Settings(matrix_rank=0.5, min_compression_rate=1.0, warmup_steps=0, seed=0,
-                        step_ahead=0.2, fp16_wire=True)
+    adaptive = Settings(matrix_rank=0.25, min_compression_rate=1.0, warmup_steps=0, seed=0,
+                        step_ahead=0.2, fp16_wire=True, both_factors=True)
     for optimizer in (adamw(), torch.optim.Adam([torch.zeros(2, 2, requires_grad=True)]),
                       torch.optim.RMSprop([torch.zeros(2, 2, requires_grad=True)]),
                       torch.optim.Adagrad([torch.zeros(2, 2, requires_grad=True)])):
         assert Settings().resolve(optimizer) == adaptive, type(optimizer).__name__
-    # Power-SGD sends both factors: half the share, the same bytes.
-    assert Settings().resolve(adamw(), factors_per_step=2).matrix_rank == 0.25
+    # Both factors per step, or P and Q in turn at twice the share: the same bytes.
+    alternating = Settings(both_factors=False).resolve(adamw())
+    assert alternating.matrix_rank == 0.5 and alternating.both_factors is False
+    assert Settings(both_factors=True).resolve(sgd()).matrix_rank == 4   # an int stays
+    # Power-SGD sends both factors its own way: half the share, never both_factors.
+    power = Settings().resolve(adamw(), factors_per_step=2)
+    assert power.matrix_rank == 0.25 and power.both_factors is False
     assert Settings().resolve(sgd(), factors_per_step=2).matrix_rank == 4
+    with pytest.raises(ValueError, match="both_factors is ACP-SGD's"):
+        Settings(both_factors=True).resolve(adamw(), factors_per_step=2)
     given = Settings(matrix_rank="auto", step_ahead=0, fp16_wire=False)
     assert given.resolve(adamw()).matrix_rank == "auto" and given.resolve().step_ahead == 0
     assert given.resolve(adamw()).fp16_wire is False
@@ -81,6 +89,7 @@ def test_matrix_rank_as_a_share_of_the_smaller_side():
     ("warmup_steps", 1.5, ValueError, "warmup_steps must be an int >= 0, got 1.5"),
     ("seed", "0", TypeError, "seed must be an int, got '0'"),
     ("step_ahead", -0.1, ValueError, "step_ahead must be a finite number >= 0, got -0.1"),
+    ("both_factors", 1, TypeError, "both_factors must be True, False or None, got 1"),
 ])
 def test_a_bad_setting_raises_when_given(field, value, kind, match):
     with pytest.raises(kind, match=match):
@@ -134,11 +143,17 @@ def test_the_front_ends_resolve_none_to_the_defaults():
 
 
 def test_the_front_ends_resolve_none_by_the_optimizer():
-    model = torch.nn.Linear(64, 32)                   # weight (32, 64): rank 16 at a share 0.5
+    model = torch.nn.Linear(64, 32)     # weight (32, 64): rank 8 at a share 0.25, 16 at 0.5
     opt = hvd_acp.DistributedOptimizer(torch.optim.AdamW(model.parameters()),
                                        named_parameters=model.named_parameters(),
                                        communicator=hvd_acp.LocalCommunicator())
-    assert opt.reducer.layouts["weight"].r == 16
+    assert opt.reducer.layouts["weight"].r == 8 and opt.reducer.phase is Phase.PQ
+    opt.close()
+    opt = hvd_acp.DistributedOptimizer(torch.optim.AdamW(model.parameters()),
+                                       named_parameters=model.named_parameters(),
+                                       communicator=hvd_acp.LocalCommunicator(),
+                                       both_factors=False)
+    assert opt.reducer.layouts["weight"].r == 16 and opt.reducer.phase is Phase.P
     opt.close()
     powersgd = hvd_acp.PowerSGDOptimizer(torch.optim.AdamW(model.parameters()),
                                          named_parameters=model.named_parameters(),
@@ -147,5 +162,6 @@ def test_the_front_ends_resolve_none_by_the_optimizer():
     powersgd.close()
     state = hvd_acp.ddp.ACPState(named_parameters=model.named_parameters(),
                                  optimizer=torch.optim.AdamW(model.parameters()))
-    assert state.compression.layouts["weight"].r == 16 and state.settings.fp16_wire
+    assert state.compression.layouts["weight"].r == 8 and state.settings.fp16_wire
+    assert state.compression.phase is Phase.PQ
     state.close()

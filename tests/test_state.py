@@ -252,3 +252,38 @@ def test_describe_gives_the_ranks_and_the_share_of_s_sgd_bytes():
     assert "compressed: 1 tensors, rank 2-2" in line and "1 other tensors averaged whole" in line
     assert "33.3% of S-SGD's bytes (96 of 288 bytes)" in line
     assert "16.7% of S-SGD's bytes (48 of 288 bytes, fp16 on the wire)" in state.describe(True)
+
+
+def test_a_pq_step_sends_both_factors_on_the_previous_bases():
+    state = CompressionState(matrix_rank=2, min_compression_rate=1.0, warmup_steps=1, seed=0,
+                             both_factors=True)
+    for name, shape in (("a", (12, 8)), ("bias", (12,)), ("b", (6, 20))):
+        state.add(name, shape, F64, torch.device("cpu"))
+    assert state.phase is Phase.DENSE
+    state.step_count = 1
+    assert state.phase is Phase.PQ and state.wire_elements(Phase.PQ) == 20 * 2 + 12 + 26 * 2
+    for tensor in state.tensors.values():
+        tensor.error.normal_(generator=torch.Generator().manual_seed(3))
+    before = {n: t.error.clone() for n, t in state.tensors.items()}
+    grads = grads_for(state, 1)
+    bases = state.orthonormal_bases(Phase.PQ, state.tensors)
+    for name, tensor in state.tensors.items():
+        ph, qh = bases[name]
+        assert_close(ph.t() @ ph, torch.eye(2, dtype=F64))
+        assert_close(qh, torch.linalg.qr(tensor.q)[0])
+        n = tensor.layout.n
+        out = torch.empty(*tensor.layout.payload_shape(Phase.PQ), dtype=F64)
+        pending = tensor.compress_(Phase.PQ, grads[name], bases[name], out, defer=True)
+        out.mul_(3)                                    # the all-reduce writes over the slot
+        pending.finish_()                              # the residual reads its own copy
+        accumulated = grads[name] + before[name]
+        sent = (out[:n] / 3) @ qh.t() + ph @ (out[n:] / 3).t() - ph @ ph.t() @ (out[:n] / 3) @ qh.t()
+        assert_close(accumulated, sent + tensor.error)
+        target = torch.empty(n, tensor.layout.m, dtype=F64)
+        tensor.apply_(Phase.PQ, out / 3, bases[name], target)
+        assert_close(target, sent)
+        assert_close(tensor.p, out[:n] / 3) and assert_close(tensor.q, out[n:] / 3)
+        p, rest = tensor.committed(Phase.PQ)
+        assert_close(p.pow(2).sum() + rest.pow(2).sum(), target.pow(2).sum())
+    assert "PQ" == state.state_dict(rank=0, world_size=1)["phase"]
+    assert state.settings()["both_factors"] == 1

@@ -59,7 +59,8 @@ def register_acp(accelerator: Accelerator, model: DistributedDataParallel, optim
                  matrix_rank=None, min_compression_rate: Optional[float] = None,
                  warmup_steps: Optional[int] = None, seed: Optional[int] = None,
                  step_ahead: Optional[float] = None,
-                 fp16_wire: Optional[bool] = None) -> ACPState:
+                 fp16_wire: Optional[bool] = None,
+                 both_factors: Optional[bool] = None) -> ACPState:
     """Train ``model`` with ACP-SGD: register :func:`hvd_acp.ddp.acp_hook` on it.
 
     Call it on every process, after ``accelerator.prepare(...)`` and before
@@ -70,7 +71,8 @@ def register_acp(accelerator: Accelerator, model: DistributedDataParallel, optim
         model: the ``DistributedDataParallel`` module ``prepare()`` returned.
         optimizer: the prepared optimizer (or the torch optimizer inside it)
             that updates ``model``'s parameters.
-        matrix_rank, min_compression_rate, warmup_steps, seed, step_ahead, fp16_wire:
+        matrix_rank, min_compression_rate, warmup_steps, seed, step_ahead, fp16_wire,
+        both_factors:
             as for every front end (:class:`hvd_acp.Settings` says what to
             tune; ``None``: the library's default).
 
@@ -86,7 +88,7 @@ def register_acp(accelerator: Accelerator, model: DistributedDataParallel, optim
     """
     settings = Settings(matrix_rank=matrix_rank, min_compression_rate=min_compression_rate,
                         warmup_steps=warmup_steps, seed=seed, step_ahead=step_ahead,
-                        fp16_wire=fp16_wire)
+                        fp16_wire=fp16_wire, both_factors=both_factors)
     kind = accelerator.distributed_type
     launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if kind is DistributedType.NO and launched > 1:

@@ -51,7 +51,8 @@ class ACPCallback(pl.Callback):
     """Trains a ``strategy="ddp"`` Lightning run with ACP-SGD.
 
     Args:
-        matrix_rank, min_compression_rate, warmup_steps, seed, step_ahead, fp16_wire:
+        matrix_rank, min_compression_rate, warmup_steps, seed, step_ahead, fp16_wire,
+        both_factors:
             as for every front end (:class:`hvd_acp.Settings` says what to
             tune; ``None``: the library's default); checked here.
 
@@ -69,11 +70,12 @@ class ACPCallback(pl.Callback):
     def __init__(self, matrix_rank=None, *, min_compression_rate: Optional[float] = None,
                  warmup_steps: Optional[int] = None, seed: Optional[int] = None,
                  step_ahead: Optional[float] = None,
-                 fp16_wire: Optional[bool] = None) -> None:
+                 fp16_wire: Optional[bool] = None,
+                 both_factors: Optional[bool] = None) -> None:
         self.settings = Settings(matrix_rank=matrix_rank,
                                  min_compression_rate=min_compression_rate,
                                  warmup_steps=warmup_steps, seed=seed, step_ahead=step_ahead,
-                                 fp16_wire=fp16_wire)
+                                 fp16_wire=fp16_wire, both_factors=both_factors)
         self.state: Optional[ACPState] = None
         #: A checkpoint's state, loaded into the next fit's ACPState.
         self._to_load: Optional[Dict[str, Any]] = None

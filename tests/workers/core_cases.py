@@ -339,26 +339,30 @@ def check_broadcast(steps=4):
 
 
 def check_adaptive_defaults(steps=6):
-    """AdamW with no ACP setting given: a share 0.5 of each matrix's smaller
-    side, factors in fp16 on the wire (2 bytes per element sent), replicas
-    bit-identical; Horovod's own compression=hvd.Compression.none sends fp32."""
-    for compression, width in ((None, 2), (hvd.Compression.none, 4)):
+    """AdamW with no ACP setting given: both factors every step at a share
+    0.25 of each matrix's smaller side, in fp16 on the wire (2 bytes per
+    element sent), replicas bit-identical; Horovod's own
+    compression=hvd.Compression.none sends fp32; both_factors=False sends P
+    and Q in turn at a share 0.5."""
+    for compression, width, both in ((None, 2, None), (hvd.Compression.none, 4, None),
+                                     (None, 2, False)):
         model = build_mlp(seed=0)
         opt = hvd_acp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01),
                                            named_parameters=model.named_parameters(),
-                                           compression=compression)
+                                           compression=compression, both_factors=both)
         layouts = opt.reducer.layouts
-        assert layouts["0.weight"].r == 5 and layouts["2.weight"].r == 2, layouts
+        ranks = (3, 1) if both is None else (5, 2)
+        assert (layouts["0.weight"].r, layouts["2.weight"].r) == ranks, layouts
         sent = []
         for step in range(steps):
             before = opt.comm_stats.bytes_sent
             train_step(opt, model, mlp_loss(hvd.rank(), step))
             sent.append(opt.comm_stats.bytes_sent - before)
-        expected = [width * opt.reducer.state.wire_elements(Phase.P if step % 2 == 0
-                                                               else Phase.Q)
-                    for step in range(steps)]
+        phases = ([Phase.PQ] * steps if both is None
+                  else [Phase.P if step % 2 == 0 else Phase.Q for step in range(steps)])
+        expected = [width * opt.reducer.state.wire_elements(phase) for phase in phases]
         assert sent == expected, (sent, expected)
-        assert_replicas_identical(model, f"adaptive_defaults_{width}")
+        assert_replicas_identical(model, f"adaptive_defaults_{width}_{both}")
         opt.close()
     report("adaptive_defaults")
 

@@ -660,6 +660,70 @@ def case_same_as_horovod_front_end(_):
     hook_state.close()
 
 
+def case_both_factors(directory):
+    """AdamW with the defaults: both factors every step (PQ). The DDP hook and
+    hvd_acp.DistributedOptimizer agree bit for bit at two ranks (factors,
+    residuals, weights; with more, their differently fused buffers are summed
+    in other orders) with step-ahead on (fp32 on the wire: the test's
+    communicator has no fp16); each iteration sends the PQ payload; a
+    checkpoint taken at step 5 resumes in a new model, state and optimizer
+    (bit for bit at two ranks); replicas stay identical."""
+    def fresh(seed=0):
+        module = build(Mixed, seed=seed)
+        opt = torch.optim.AdamW(module.parameters(), lr=0.01)
+        state = hvd_acp.ddp.ACPState(optimizer=opt, named_parameters=module.named_parameters(),
+                                     fp16_wire=False)
+        return ddp(module, state, bucket_cap_mb=0.002), state, opt
+
+    hook_model, hook_state, hook_opt = fresh()
+    module = build(Mixed)
+    front = hvd_acp.DistributedOptimizer(torch.optim.AdamW(module.parameters(), lr=0.01),
+                                         module.named_parameters(),
+                                         communicator=TorchDistCommunicator())
+    path = os.path.join(directory, f"pq.{rank()}.pt")
+    for i in range(10):
+        assert hook_state.phase is Phase.PQ
+        before = hook_state.comm_stats.bytes_sent
+        x, y = batch(rank(), i)
+        step(hook_model, hook_opt, x, y)
+        assert hook_state.comm_stats.bytes_sent - before == 4 * hook_state.wire_elements(
+            Phase.PQ), i
+        if i == 4:
+            torch.save({"model": hook_model.module.state_dict(), "opt": hook_opt.state_dict(),
+                        "acp": hook_state.state_dict()}, path)
+        front.zero_grad()
+        F.cross_entropy(module(x), y).backward()
+        front.step()
+        ours, theirs = front.reducer.state.tensors, hook_state.compression.tensors
+        assert hook_state.compression.ranks() == front.reducer.state.ranks() == {   # a quarter
+            "conv.weight": 1, "fc1.weight": 4, "fc2.weight": 4, "out.weight": 2}
+        if size() > 2:
+            continue
+        for name, tensor in ours.items():
+            for attr in ("p", "q", "error"):
+                assert torch.equal(getattr(tensor, attr), getattr(theirs[name], attr)), (
+                    i, name, attr)
+        assert torch.equal(flat(module), flat(hook_model.module)), f"weights differ at step {i}"
+    assert any(e.any() for e in front.reducer.errors.values())
+    assert_replicas_identical(flat(hook_model.module))
+    model2, state2, opt2 = fresh(seed=123)
+    saved = torch.load(path)
+    model2.module.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    state2.load_state_dict(saved["acp"])
+    assert state2.step_count == 5 and state2.phase is Phase.PQ
+    for i in range(5, 10):
+        step(model2, opt2, *batch(rank(), i))
+    if size() == 2:
+        assert torch.equal(flat(model2.module), flat(hook_model.module))
+    else:                   # a new DDP's first buckets: other sums, the same maths
+        torch.testing.assert_close(flat(model2.module), flat(hook_model.module))
+    assert_replicas_identical(flat(model2.module))
+    front.close()
+    hook_state.close()
+    state2.close()
+
+
 def expect_error(kind, match, fn):
     import re
     try:
