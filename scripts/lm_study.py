@@ -49,6 +49,10 @@ SEEDS = (0, 1, 2)
 SSGD = "S-SGD"
 ACP = "ACP-SGD (defaults)"
 PSGD = "Power-SGD (defaults: ACP-SGD's bytes)"
+#: ACP-SGD's defaults for adaptive optimizers before both factors: P and Q in
+#: turn at a share 0.5 of each matrix (the same bytes).
+PREVIOUS = "ACP-SGD, P and Q in turn (the previous defaults)"
+IN_TURN = ("--both-factors", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,15 +100,19 @@ class Recipe:
 
 def horovod_methods(**extra) -> Dict[str, Tuple[str, ...]]:
     return {SSGD: ("--optimizer", "ssgd"), ACP: ("--optimizer", "acp"),
+            PREVIOUS: ("--optimizer", "acp", *IN_TURN),
             PSGD: ("--optimizer", "powersgd"), **extra}
 
 
 #: The settings that were the advice before the defaults depended on the optimizer.
-EARLIER = {"ACP-SGD, rank 4 (the SGD default)": ("--optimizer", "acp", "--matrix-rank", "4"),
-           "ACP-SGD, rank 32": ("--optimizer", "acp", "--matrix-rank", "32")}
-#: The defaults less one of their parts (seed 0 at the best rate).
-ABLATION = {"ACP-SGD (defaults), fp32 on the wire": ("--optimizer", "acp", "--fp16-wire", "off"),
-            "ACP-SGD (defaults), step-ahead 0": ("--optimizer", "acp", "--step-ahead", "0")}
+EARLIER = {"ACP-SGD, rank 4 (the SGD default)": ("--optimizer", "acp", "--matrix-rank", "4",
+                                                 *IN_TURN),
+           "ACP-SGD, rank 32": ("--optimizer", "acp", "--matrix-rank", "32", *IN_TURN)}
+#: The previous defaults less one of their parts (seed 0 at the best rate).
+ABLATION = {"ACP-SGD, P and Q in turn, fp32 on the wire": ("--optimizer", "acp", "--fp16-wire",
+                                                           "off", *IN_TURN),
+            "ACP-SGD, P and Q in turn, step-ahead 0": ("--optimizer", "acp", "--step-ahead", "0",
+                                                       *IN_TURN)}
 
 RECIPES = (
     Recipe("train_lm_np2", "examples/train_lm.py, 2 ranks (1,000 steps)",
@@ -118,22 +126,30 @@ RECIPES = (
            horovod_methods(), {**EARLIER, **ABLATION}, ("--steps", "400")),
     Recipe("trainer_lm_np2", "scripts/trainer_lm.py: the Trainer's GPT-2, 2 ranks (300 steps)",
            "scripts/trainer_lm.py", 2, "torchrun", ("1e-3", "2e-3", "4e-3", "8e-3"),
-           {SSGD: ("--method", "ddp"), ACP: ("--method", "acp")},
-           {"ACP-SGD, rank 4 (the SGD default)": ("--method", "acp", "--matrix-rank", "4"),
-            "ACP-SGD (defaults), fp32 on the wire": ("--method", "acp", "--fp16-wire", "off"),
-            "ACP-SGD (defaults), step-ahead 0": ("--method", "acp", "--step-ahead", "0"),
-            "ACP-SGD (defaults), step-ahead 0.5": ("--method", "acp", "--step-ahead", "0.5"),
-            "ACP-SGD (defaults), 30 exact steps first": ("--method", "acp",
-                                                         "--warmup-steps", "30"),
-            "ACP-SGD, share 0.75": ("--method", "acp", "--matrix-rank", "0.75")}),
+           {SSGD: ("--method", "ddp"), ACP: ("--method", "acp"),
+            PREVIOUS: ("--method", "acp", *IN_TURN)},
+           {"ACP-SGD, rank 4 (the SGD default)": ("--method", "acp", "--matrix-rank", "4",
+                                                  *IN_TURN),
+            "ACP-SGD, P and Q in turn, fp32 on the wire": ("--method", "acp", "--fp16-wire",
+                                                           "off", *IN_TURN),
+            "ACP-SGD, P and Q in turn, step-ahead 0": ("--method", "acp", "--step-ahead", "0",
+                                                       *IN_TURN),
+            "ACP-SGD, P and Q in turn, step-ahead 0.5": ("--method", "acp", "--step-ahead",
+                                                         "0.5", *IN_TURN),
+            "ACP-SGD, P and Q in turn, 30 exact steps first": ("--method", "acp",
+                                                               "--warmup-steps", "30", *IN_TURN),
+            "ACP-SGD, P and Q in turn, share 0.75": ("--method", "acp", "--matrix-rank", "0.75",
+                                                     *IN_TURN)}),
     # Checks at other world sizes, at the rate swept above: the held-out
     # Trainer recipe at 4 ranks, the user's script at 8.
     Recipe("trainer_lm_np4", "scripts/trainer_lm.py: the Trainer's GPT-2, 4 ranks (300 steps)",
            "scripts/trainer_lm.py", 4, "torchrun", (),
-           {SSGD: ("--method", "ddp"), ACP: ("--method", "acp")}, rate_from="trainer_lm_np2"),
+           {SSGD: ("--method", "ddp"), ACP: ("--method", "acp"),
+            PREVIOUS: ("--method", "acp", *IN_TURN)}, rate_from="trainer_lm_np2"),
     Recipe("user_lm_np8", "scripts/user_lm.py, 8 ranks (400 steps)",
            "scripts/user_lm.py", 8, "horovodrun", (),
-           {SSGD: ("--optimizer", "ssgd"), ACP: ("--optimizer", "acp")}, {},
+           {SSGD: ("--optimizer", "ssgd"), ACP: ("--optimizer", "acp"),
+            PREVIOUS: ("--optimizer", "acp", *IN_TURN)}, {},
            ("--steps", "400"), rate_from="user_lm_np4", seeds=(0,)),
 )
 
@@ -146,18 +162,19 @@ FRONTIER_RECIPES = ("train_lm_np4", "user_lm_np4")
 FRONTIER = (
     ("S-SGD (fp16)", ("--optimizer", "ssgd-fp16"), False),
     *((label, flags, False) for label, flags in EARLIER.items()),
-    ("ACP-SGD, share 0.25", ("--optimizer", "acp", "--matrix-rank", "0.25"), False),
+    ("ACP-SGD, P and Q in turn, share 0.25", ("--optimizer", "acp", "--matrix-rank", "0.25",
+                                              *IN_TURN), False),
     ("DiLoCo, H 10", ("--optimizer", "diloco", "--diloco-h", "10"), True),
     ("DiLoCo, H 50", ("--optimizer", "diloco", "--diloco-h", "50"), True),
     ("DeMo-style, k 1", ("--optimizer", "demo", "--demo-k", "1"), True),
     ("DeMo-style, k 8", ("--optimizer", "demo", "--demo-k", "8"), True),
     # Issue 36's item 4: ACP-SGD carrying DeMo's error-fed momentum with its
     # sign update (examples/common.SignAdamW; step-ahead models Adam's step).
-    ("ACP-SGD (defaults), sign update",
-     ("--optimizer", "acp", "--update", "sign", "--step-ahead", "0"), True),
+    ("ACP-SGD, P and Q in turn, sign update",
+     ("--optimizer", "acp", "--update", "sign", "--step-ahead", "0", *IN_TURN), True),
 )
 #: Settings of the frontier that only some recipes' scripts have.
-FRONTIER_ONLY = {"ACP-SGD (defaults), sign update": ("train_lm_np4",)}
+FRONTIER_ONLY = {"ACP-SGD, P and Q in turn, sign update": ("train_lm_np4",)}
 
 
 def frontier_settings(recipe: Recipe):
@@ -460,7 +477,7 @@ def frontier_report() -> List[str]:
            "Bytes are per step and rank as shares of S-SGD's fp32 gradient; the DeMo-style "
            "method's all-gather receives more than it sends (\"received\": what a rank "
            "was handed; Horovod's own optimizer does not count it). "
-           "\"ACP-SGD (defaults), sign update\" (examples/train_lm.py only) is ACP-SGD "
+           "\"ACP-SGD, P and Q in turn, sign update\" (examples/train_lm.py only) is ACP-SGD "
            "carrying the DeMo-style method's error-fed momentum: a rank's residual takes "
            "each gradient and gives up what its factors send, which is that momentum with "
            "decay 1, compressed to ACP-SGD's alternating factors in its hooks and fused "
@@ -644,14 +661,15 @@ def summary_table() -> List[str]:
     """Per recipe at S-SGD's best rate: ACP-SGD's defaults and Power-SGD at the
     same bytes against S-SGD (mean of the seeds run), citing results.md."""
     out = ["| recipe (AdamW) | S-SGD's best rate | ACP-SGD defaults vs S-SGD | "
-           "Power-SGD, same bytes | bytes sent, share of S-SGD's | seeds |",
-           "|---|---|---|---|---|---|"]
+           "P and Q in turn (the previous defaults) | Power-SGD, same bytes | "
+           "bytes sent, share of S-SGD's | seeds |",
+           "|---|---|---|---|---|---|---|"]
     for recipe in RECIPES:
         best = best_rate(recipe)
         if best is None:
             continue
         rows = {row["label"]: row for row in method_rows(recipe, best)}
-        acp, psgd = rows.get(ACP), rows.get(PSGD)
+        acp, previous, psgd = rows.get(ACP), rows.get(PREVIOUS), rows.get(PSGD)
         if acp is None or not acp["gaps"]:
             continue
         cell = lambda row: "–" if row is None or not row["gaps"] else \
@@ -659,7 +677,8 @@ def summary_table() -> List[str]:
         rate = (f"{best} (as at {recipe_of(recipe.rate_from).np} ranks)" if recipe.rate_from
                 else best)
         out.append(f"| {recipe.title} ([runs](bench-results/lm_adam/results.md)) | {rate} | "
-                   f"{cell(acp)} | {cell(psgd)} | {acp['bytes'] / acp['dense']:.3f} | "
+                   f"{cell(acp)} | {cell(previous)} | {cell(psgd)} | "
+                   f"{acp['bytes'] / acp['dense']:.3f} | "
                    f"{len(acp['gaps'])} |")
     return out
 

@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.timeout(600)]
 TWO_RANK_CASES = ["per_rank", "per_rank_adam", "rank0_file", "broadcast_odd", "broadcast_even",
                   "broadcast_stateless", "broadcast_adam", "broadcast_accumulation",
                   "warmup_during", "warmup_after", "warmup_per_rank", "rank0_only"]
-FOUR_RANK_CASES = ["rank0_file", "broadcast_odd", "broadcast_accumulation", "rank0_only"]
+FOUR_RANK_CASES = ["rank0_file", "broadcast_odd", "broadcast_adam", "broadcast_accumulation",
+                   "rank0_only"]
 #: Relative difference of the final validation loss allowed between the
 #: ImageNet-style script resumed from rank 0's checkpoint and the same
 #: script run without interruption (both 15 steps; measured: 4.3%).

@@ -287,3 +287,30 @@ def test_a_pq_step_sends_both_factors_on_the_previous_bases():
         assert_close(p.pow(2).sum() + rest.pow(2).sum(), target.pow(2).sum())
     assert "PQ" == state.state_dict(rank=0, world_size=1)["phase"]
     assert state.settings()["both_factors"] == 1
+
+
+def test_the_diagnostics_of_pq_steps_count_what_the_projection_keeps_once():
+    import hvd_acp
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    opt = hvd_acp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                       named_parameters=model.named_parameters(),
+                                       communicator=hvd_acp.LocalCommunicator(),
+                                       diagnostics=True)
+    for step in range(4):
+        x = torch.randn(5, 24, generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        accumulated = {n: t.error.clone() for n, t in opt.reducer.state.tensors.items()}
+        model(x).square().mean().backward()     # the hooks compress as the gradients come
+        for name, param in model.named_parameters():
+            if name in accumulated:
+                accumulated[name] += param.grad
+        opt.step()
+        record = opt.reducer.diagnostics[-1]
+        assert record["phase"] == "PQ"
+        # kept = ||A||^2 - ||(I - Ph Ph^T) A (I - Qh Qh^T)||^2 = ||A||^2 - ||E||^2
+        kept = sum(float(a.double().pow(2).sum()) for a in accumulated.values())
+        left = sum(float(e.double().pow(2).sum()) for e in opt.reducer.errors.values())
+        assert record["kept_share"] == pytest.approx((kept - left) / kept, rel=1e-4)
+        assert (record["subspace_turn"] is None) == (step == 0)
+    opt.close()

@@ -88,11 +88,10 @@ def residual_norm(state) -> float:
 
 def wire_bytes(state, steps: int, element_size: int = 4) -> int:
     """Bytes ACP-SGD sends in ``steps`` iterations from step 0 (no warm-up):
-    P and Q steps alternate."""
-    from hvd_acp.compression import Phase
-    p_bytes = state.wire_elements(Phase.P) * element_size
-    q_bytes = state.wire_elements(Phase.Q) * element_size
-    return (steps + 1) // 2 * p_bytes + steps // 2 * q_bytes
+    P and Q steps in turn, or PQ steps (both factors: an adaptive optimizer's default)."""
+    from hvd_acp.compression import phase_of
+    return sum(state.wire_elements(phase_of(step, 0, state.compression.both_factors))
+               for step in range(steps)) * element_size
 
 
 def report(directory: str, framework: str, rank: int, **fields) -> None:

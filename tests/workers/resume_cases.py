@@ -18,8 +18,8 @@ Cases (k is the saved step count):
   arguments): rank 0 keeps its residual, the others start from zero.
 - ``broadcast``: Horovod's ImageNet example, rank 0 loads, then
   ``hvd.broadcast_parameters`` and ``hvd.broadcast_optimizer_state``; odd and
-  even k, SGD with momentum, SGD without state, Adam, two backward passes per
-  step. It must leave exactly the state of ``rank0_file`` (same bits).
+  even k, SGD with momentum, SGD without state, Adam (both factors every
+  step, its default), two backward passes per step. It must leave exactly the state of ``rank0_file`` (same bits).
 - ``warmup``: checkpoints during the warm-up and right after it.
 - ``rank0_only``: rank 0 loads and nobody broadcasts: every rank raises.
 - ``save_world`` / ``resume_world``: save at one world size (per-rank and
@@ -200,7 +200,7 @@ def resume_by_broadcast(run):
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     assert opt.step_count == run.k and opt.phase is hvd_acp.compression.phase_of(
-        run.k, run.warmup), (opt.step_count, opt.phase)
+        run.k, run.warmup, opt.settings.both_factors), (opt.step_count, opt.phase)
     assert opt.comm_stats.allreduces == 0     # the broadcast ran no ACP-SGD step
     for name, error in opt.reducer.errors.items():
         if hvd.rank() == 0:
