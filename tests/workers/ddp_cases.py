@@ -631,6 +631,18 @@ class TorchDistCommunicator(hvd_acp.Communicator):
         return gathered
 
 
+def assert_same_state(front, module, hook_state, hook_model, step):
+    """The Horovod front end and the DDP hook hold the same factors, residuals
+    and weights, bit for bit."""
+    ours, theirs = front.reducer.state.tensors, hook_state.compression.tensors
+    assert sorted(ours) == sorted(theirs), (sorted(ours), sorted(theirs))
+    for name, tensor in ours.items():
+        for attr in ("p", "q", "error"):
+            assert torch.equal(getattr(tensor, attr), getattr(theirs[name], attr)), (
+                step, name, attr)
+    assert torch.equal(flat(module), flat(hook_model.module)), f"weights differ at step {step}"
+
+
 def case_same_as_horovod_front_end(_):
     """The same gradients through the DDP hook and through
     hvd_acp.DistributedOptimizer (one compression state under both): the
@@ -648,13 +660,8 @@ def case_same_as_horovod_front_end(_):
         F.cross_entropy(module(x), y).backward()
         front.step()
         assert front.step_count == hook_state.step_count == i + 1
-        ours, theirs = front.reducer.state.tensors, hook_state.compression.tensors
-        assert sorted(ours) == sorted(theirs) == ["fc1.weight", "fc2.weight", "out.weight"]
-        for name, tensor in ours.items():
-            for attr in ("p", "q", "error"):
-                assert torch.equal(getattr(tensor, attr), getattr(theirs[name], attr)), (
-                    i, name, attr)
-        assert torch.equal(flat(module), flat(hook_model.module)), f"weights differ at step {i}"
+        assert sorted(front.reducer.state.tensors) == ["fc1.weight", "fc2.weight", "out.weight"]
+        assert_same_state(front, module, hook_state, hook_model, i)
     assert any(e.any() for e in front.reducer.errors.values())
     front.close()
     hook_state.close()
@@ -694,16 +701,10 @@ def case_both_factors(directory):
         front.zero_grad()
         F.cross_entropy(module(x), y).backward()
         front.step()
-        ours, theirs = front.reducer.state.tensors, hook_state.compression.tensors
         assert hook_state.compression.ranks() == front.reducer.state.ranks() == {   # a quarter
             "conv.weight": 1, "fc1.weight": 4, "fc2.weight": 4, "out.weight": 2}
-        if size() > 2:
-            continue
-        for name, tensor in ours.items():
-            for attr in ("p", "q", "error"):
-                assert torch.equal(getattr(tensor, attr), getattr(theirs[name], attr)), (
-                    i, name, attr)
-        assert torch.equal(flat(module), flat(hook_model.module)), f"weights differ at step {i}"
+        if size() == 2:
+            assert_same_state(front, module, hook_state, hook_model, i)
     assert any(e.any() for e in front.reducer.errors.values())
     assert_replicas_identical(flat(hook_model.module))
     model2, state2, opt2 = fresh(seed=123)
