@@ -111,7 +111,8 @@ def factor_rank(n: int, m: int, matrix_rank: Union[int, float]) -> int:
     """The rank r of the factors: ``min(matrix_rank, n, m)``; a float
     ``matrix_rank`` in (0, 1) is a share of ``min(n, m)``, rounded up."""
     if isinstance(matrix_rank, float):
-        return math.ceil(matrix_rank * min(n, m))
+        # Rounded first: 0.3 * 10 is 3.0000000000000004 in binary, rank 3 not 4.
+        return math.ceil(round(matrix_rank * min(n, m), 9))
     return max(0, min(matrix_rank, n, m))
 
 

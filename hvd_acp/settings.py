@@ -29,22 +29,25 @@ logger = logging.getLogger(__name__)
 #: How to choose ``matrix_rank``: the one wording README, docs and
 #: docstrings use (a test holds them to it).
 RANK_ADVICE = ("Leave it to the default: rank 4 for SGD-like optimizers (CNNs), and for "
-               "Adam-family optimizers (transformers) a quarter of each matrix's smaller "
-               "side with both factors sent every step, in fp16 on the wire; a lower rank "
-               "sends less and costs accuracy.")
+               "Adam-family optimizers (transformers) 0.3 of each matrix's smaller side "
+               "with both factors sent every step, in fp16 on the wire; a lower rank sends "
+               "less and costs accuracy.")
 
 #: The defaults by optimizer family (:func:`optimizer_family`). An adaptive
 #: optimizer divides each coordinate by its own RMS, so it applies every
 #: delayed or missing component of the gradient at full strength: it needs
 #: a large share of each matrix, and both bases refreshed every step
-#: (docs/convergence.md, "Adam"). ``matrix_rank`` is the share of a method
-#: that sends one factor per step; one that sends two gets half of it.
+#: (docs/convergence.md, "Both factors every step").
 DEFAULTS = {
     "sgd": {"matrix_rank": 4, "min_compression_rate": 2.0, "fp16_wire": False,
             "both_factors": False},
-    "adaptive": {"matrix_rank": 0.5, "min_compression_rate": 1.0, "fp16_wire": True,
+    "adaptive": {"matrix_rank": 0.3, "min_compression_rate": 1.0, "fp16_wire": True,
                  "both_factors": True},
 }
+#: An adaptive optimizer's default share for a method sending one factor per
+#: step (ACP-SGD with ``both_factors=False``); Power-SGD, which sends two in
+#: two all-reduces, gets half of it: the same bytes.
+IN_TURN_SHARE = 0.5
 COMMON_DEFAULTS = {"warmup_steps": 0, "seed": 0, "step_ahead": 0.2}
 
 #: torch optimizers that scale each coordinate by a running statistic of its
@@ -82,17 +85,17 @@ class Settings:
     compression. Bad values raise ``ValueError``/``TypeError`` naming the
     setting, when the object is made.
 
-    1. ``matrix_rank`` (default 4 for SGD, 0.25 for adaptive optimizers):
+    1. ``matrix_rank`` (default 4 for SGD, 0.3 for adaptive optimizers):
        the compression, r. Each gradient of shape ``(n, ...)`` is viewed as
        an ``n x m`` matrix and sends ``n r`` (P steps) or ``m r`` (Q steps)
        elements instead of ``n m``, or ``(n + m) r`` every step with
        ``both_factors``. An int is one rank for every matrix; a float in
-       (0, 1) is a share of each matrix's smaller side, rounded up (0.25:
-       rank 32 for a 128 x 512 matrix). Higher is more accurate and sends
+       (0, 1) is a share of each matrix's smaller side, rounded up (0.3:
+       rank 39 for a 128 x 512 matrix). Higher is more accurate and sends
        more. Leave it to the default: rank 4 for SGD-like optimizers (CNNs),
-       and for Adam-family optimizers (transformers) a quarter of each
-       matrix's smaller side with both factors sent every step, in fp16 on
-       the wire; a lower rank sends less and costs accuracy. ``"auto"`` (or
+       and for Adam-family optimizers (transformers) 0.3 of each matrix's
+       smaller side with both factors sent every step, in fp16 on the wire;
+       a lower rank sends less and costs accuracy. ``"auto"`` (or
        an :class:`~hvd_acp.AutoRank`) chooses a rank per tensor from the
        averaged gradients at probe steps (docs/guide.md, "Choosing the rank").
     2. ``fp16_wire`` (default False for SGD, True for adaptive optimizers):
@@ -106,8 +109,10 @@ class Settings:
        instead of P and Q in turn. The gradient applied is ``A``'s
        projection on both bases (up to 2r directions, both refreshed every
        step): at half the rank it sends what alternation sends, and under
-       Adam it ends closer to S-SGD (docs/convergence.md, "Both factors").
-       With it a rank ``r`` sends ``(n + m) r`` elements per step.
+       Adam it ends closer to S-SGD (docs/convergence.md, "Both factors
+       every step"). With it a rank ``r`` sends ``(n + m) r`` elements per
+       step; with ``both_factors=False`` an adaptive optimizer's default
+       share is 0.5.
     4. ``warmup_steps`` (default 0): steps of exact averaging (every gradient
        sent whole) before compression starts. The first steps are the most
        sensitive to compression error; 0 is fine for most CNNs, transformers
@@ -158,9 +163,9 @@ class Settings:
         (:func:`optimizer_family`; None where a front end has none: the
         SGD defaults). ``factors_per_step`` is 2 for Power-SGD, which sends
         both factors every step in its own way (``both_factors`` is False
-        for it). A method sending two factors per step, Power-SGD or
-        ACP-SGD with ``both_factors``, gets half of an adaptive optimizer's
-        default share, so that it sends what ACP-SGD alternating sends.
+        for it). For an adaptive optimizer ACP-SGD's default share is 0.3
+        with both factors, :data:`IN_TURN_SHARE` with P and Q in turn, and
+        Power-SGD's half of that (the bytes of P and Q in turn).
         A default decided for a given optimizer is logged at INFO.
         """
         family = optimizer_family(optimizer)
@@ -171,8 +176,8 @@ class Settings:
                                  "factors, in two all-reduces per step")
             defaults["both_factors"] = False
         both = defaults["both_factors"] if self.both_factors is None else self.both_factors
-        if family == "adaptive":
-            defaults["matrix_rank"] /= factors_per_step * (2 if both else 1)
+        if family == "adaptive" and (factors_per_step > 1 or not both):
+            defaults["matrix_rank"] = IN_TURN_SHARE / factors_per_step
         missing = {key: value for key, value in defaults.items() if getattr(self, key) is None}
         if not missing:
             return self

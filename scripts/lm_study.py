@@ -48,7 +48,9 @@ SECTION = "lm-adam"
 SEEDS = (0, 1, 2)
 SSGD = "S-SGD"
 ACP = "ACP-SGD (defaults)"
-PSGD = "Power-SGD (defaults: ACP-SGD's bytes)"
+PSGD = "Power-SGD (defaults)"
+#: Both factors at Power-SGD's default share: the same bytes as it.
+BOTH25 = "ACP-SGD, both factors, share 0.25 (Power-SGD's bytes)"
 #: ACP-SGD's defaults for adaptive optimizers before both factors: P and Q in
 #: turn at a share 0.5 of each matrix (the same bytes).
 PREVIOUS = "ACP-SGD, P and Q in turn (the previous defaults)"
@@ -101,6 +103,7 @@ class Recipe:
 def horovod_methods(**extra) -> Dict[str, Tuple[str, ...]]:
     return {SSGD: ("--optimizer", "ssgd"), ACP: ("--optimizer", "acp"),
             PREVIOUS: ("--optimizer", "acp", *IN_TURN),
+            BOTH25: ("--optimizer", "acp", "--matrix-rank", "0.25"),
             PSGD: ("--optimizer", "powersgd"), **extra}
 
 
@@ -127,7 +130,8 @@ RECIPES = (
     Recipe("trainer_lm_np2", "scripts/trainer_lm.py: the Trainer's GPT-2, 2 ranks (300 steps)",
            "scripts/trainer_lm.py", 2, "torchrun", ("1e-3", "2e-3", "4e-3", "8e-3"),
            {SSGD: ("--method", "ddp"), ACP: ("--method", "acp"),
-            PREVIOUS: ("--method", "acp", *IN_TURN)},
+            PREVIOUS: ("--method", "acp", *IN_TURN),
+            BOTH25: ("--method", "acp", "--matrix-rank", "0.25")},
            {"ACP-SGD, rank 4 (the SGD default)": ("--method", "acp", "--matrix-rank", "4",
                                                   *IN_TURN),
             "ACP-SGD, P and Q in turn, fp32 on the wire": ("--method", "acp", "--fp16-wire",
@@ -145,11 +149,13 @@ RECIPES = (
     Recipe("trainer_lm_np4", "scripts/trainer_lm.py: the Trainer's GPT-2, 4 ranks (300 steps)",
            "scripts/trainer_lm.py", 4, "torchrun", (),
            {SSGD: ("--method", "ddp"), ACP: ("--method", "acp"),
-            PREVIOUS: ("--method", "acp", *IN_TURN)}, rate_from="trainer_lm_np2"),
+            PREVIOUS: ("--method", "acp", *IN_TURN),
+            BOTH25: ("--method", "acp", "--matrix-rank", "0.25")}, rate_from="trainer_lm_np2"),
     Recipe("user_lm_np8", "scripts/user_lm.py, 8 ranks (400 steps)",
            "scripts/user_lm.py", 8, "horovodrun", (),
            {SSGD: ("--optimizer", "ssgd"), ACP: ("--optimizer", "acp"),
-            PREVIOUS: ("--optimizer", "acp", *IN_TURN)}, {},
+            PREVIOUS: ("--optimizer", "acp", *IN_TURN),
+            BOTH25: ("--optimizer", "acp", "--matrix-rank", "0.25")}, {},
            ("--steps", "400"), rate_from="user_lm_np4", seeds=(0,)),
 )
 

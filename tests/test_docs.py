@@ -160,7 +160,7 @@ def test_the_rank_advice_matches_the_defaults():
     sgd = Settings().resolve(torch.optim.SGD([weight], lr=0.1, momentum=0.9))
     adam = Settings().resolve(torch.optim.AdamW([weight], lr=1e-3))
     assert f"rank {sgd.matrix_rank} for SGD-like optimizers" in RANK_ADVICE
-    assert adam.matrix_rank == 0.25 and "a quarter of each matrix's smaller side" in RANK_ADVICE
+    assert adam.matrix_rank == 0.3 and "0.3 of each matrix's smaller side" in RANK_ADVICE
     assert adam.both_factors and not sgd.both_factors and "both factors" in RANK_ADVICE
     assert adam.fp16_wire and not sgd.fp16_wire and "fp16 on the wire" in RANK_ADVICE
     assert RANK_ADVICE in " ".join(Settings.__doc__.split())

@@ -106,9 +106,9 @@ def test_training_works_after_construction_errors(two_ranks):
 
 
 @pytest.mark.parametrize("launch, world", [("two_ranks", 2), ("four_ranks", 4)])
-def test_adam_defaults_send_both_factors_of_a_quarter_of_each_matrix_in_fp16(
+def test_adam_defaults_send_both_factors_of_0_3_of_each_matrix_in_fp16(
         launch, world, request):
-    # AdamW, no ACP setting: both factors every step at ranks ceil(min(n, m) / 4),
+    # AdamW, no ACP setting: both factors every step at ranks ceil(0.3 min(n, m)),
     # 2 bytes per element sent, fp32 when compression=hvd.Compression.none;
     # P and Q in turn at ceil(min(n, m) / 2) with both_factors=False; replicas identical.
     assert_reported(request.getfixturevalue(launch), "PASS adaptive_defaults", world)

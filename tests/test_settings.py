@@ -28,13 +28,13 @@ def test_the_defaults_depend_on_the_optimizer_family():
     assert resolved == Settings(matrix_rank=4, min_compression_rate=2.0, warmup_steps=0,
                                 seed=0, step_ahead=0.2, fp16_wire=False, both_factors=False)
     assert Settings().resolve() == resolved           # no optimizer: the SGD defaults
-    adaptive = Settings(matrix_rank=0.25, min_compression_rate=1.0, warmup_steps=0, seed=0,
+    adaptive = Settings(matrix_rank=0.3, min_compression_rate=1.0, warmup_steps=0, seed=0,
                         step_ahead=0.2, fp16_wire=True, both_factors=True)
     for optimizer in (adamw(), torch.optim.Adam([torch.zeros(2, 2, requires_grad=True)]),
                       torch.optim.RMSprop([torch.zeros(2, 2, requires_grad=True)]),
                       torch.optim.Adagrad([torch.zeros(2, 2, requires_grad=True)])):
         assert Settings().resolve(optimizer) == adaptive, type(optimizer).__name__
-    # Both factors per step, or P and Q in turn at twice the share: the same bytes.
+    # P and Q in turn: a share 0.5 (the bytes of both factors at 0.25).
     alternating = Settings(both_factors=False).resolve(adamw())
     assert alternating.matrix_rank == 0.5 and alternating.both_factors is False
     assert Settings(both_factors=True).resolve(sgd()).matrix_rank == 4   # an int stays
@@ -81,6 +81,7 @@ def test_matrix_rank_as_a_share_of_the_smaller_side():
     assert factor_rank(128, 512, 0.5) == 64 and factor_rank(512, 128, 0.5) == 64
     assert factor_rank(7, 9, 0.5) == 4 and factor_rank(1, 100, 0.5) == 1
     assert factor_rank(10, 3, 4) == 3
+    assert factor_rank(10, 16, 0.3) == 3 and factor_rank(128, 128, 0.3) == 39
 
 
 @pytest.mark.parametrize("field, value, kind, match", [
@@ -143,11 +144,11 @@ def test_the_front_ends_resolve_none_to_the_defaults():
 
 
 def test_the_front_ends_resolve_none_by_the_optimizer():
-    model = torch.nn.Linear(64, 32)     # weight (32, 64): rank 8 at a share 0.25, 16 at 0.5
+    model = torch.nn.Linear(64, 32)     # weight (32, 64): rank 10 at a share 0.3, 16 at 0.5
     opt = hvd_acp.DistributedOptimizer(torch.optim.AdamW(model.parameters()),
                                        named_parameters=model.named_parameters(),
                                        communicator=hvd_acp.LocalCommunicator())
-    assert opt.reducer.layouts["weight"].r == 8 and opt.reducer.phase is Phase.PQ
+    assert opt.reducer.layouts["weight"].r == 10 and opt.reducer.phase is Phase.PQ
     opt.close()
     opt = hvd_acp.DistributedOptimizer(torch.optim.AdamW(model.parameters()),
                                        named_parameters=model.named_parameters(),
@@ -162,6 +163,6 @@ def test_the_front_ends_resolve_none_by_the_optimizer():
     powersgd.close()
     state = hvd_acp.ddp.ACPState(named_parameters=model.named_parameters(),
                                  optimizer=torch.optim.AdamW(model.parameters()))
-    assert state.compression.layouts["weight"].r == 8 and state.settings.fp16_wire
+    assert state.compression.layouts["weight"].r == 10 and state.settings.fp16_wire
     assert state.compression.phase is Phase.PQ
     state.close()

@@ -340,7 +340,7 @@ def check_broadcast(steps=4):
 
 def check_adaptive_defaults(steps=6):
     """AdamW with no ACP setting given: both factors every step at a share
-    0.25 of each matrix's smaller side, in fp16 on the wire (2 bytes per
+    0.3 of each matrix's smaller side, in fp16 on the wire (2 bytes per
     element sent), replicas bit-identical; Horovod's own
     compression=hvd.Compression.none sends fp32; both_factors=False sends P
     and Q in turn at a share 0.5."""
@@ -351,7 +351,7 @@ def check_adaptive_defaults(steps=6):
                                            named_parameters=model.named_parameters(),
                                            compression=compression, both_factors=both)
         layouts = opt.reducer.layouts
-        ranks = (3, 1) if both is None else (5, 2)
+        ranks = (3, 1) if both is None else (5, 2)      # 0.3 of 10 and 3; 0.5
         assert (layouts["0.weight"].r, layouts["2.weight"].r) == ranks, layouts
         sent = []
         for step in range(steps):
