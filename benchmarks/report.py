@@ -269,7 +269,8 @@ def _defaults_paragraph(results: Dict[str, Any]) -> List[str]:
             continue
         wire = ("" if "fp16_wire" not in settings else
                 ", fp16 on the wire" if settings["fp16_wire"] else ", fp32 on the wire")
-        parts.append(f"{name(method)} matrix_rank {settings['matrix_rank']}{wire}")
+        both = ", both factors every step" if settings.get("both_factors") else ""
+        parts.append(f"{name(method)} matrix_rank {settings['matrix_rank']}{both}{wire}")
     if not parts:
         return []
     return [f"No --matrix-rank: each method resolved its default for "

@@ -747,14 +747,14 @@ def test_smoke_run_of_a_user_model_with_adamw(tmp_path):
     for entry in (acp, diloco):
         assert entry["step_s_median"] > 0 and entry["optimizer"] == "AdamW"
         assert all(isinstance(loss, float) for loss in entry["last_loss"])
-    assert acp["settings"]["matrix_rank"] == 0.5 and acp["settings"]["fp16_wire"] is True
-    assert acp["settings"]["min_compression_rate"] == 1.0
-    assert 0 < acp["bytes_sent_per_step"] < dense / 4       # half the ranks, in fp16
+    assert acp["settings"]["matrix_rank"] == 0.3 and acp["settings"]["fp16_wire"] is True
+    assert acp["settings"]["min_compression_rate"] == 1.0 and acp["settings"]["both_factors"]
+    assert 0 < acp["bytes_sent_per_step"] < dense / 4       # 0.3 of the ranks, both, in fp16
     assert diloco["settings"]["inner_steps"] > 0
     assert 0 < diloco["bytes_sent_per_step_analytic"] < dense
     table = (tmp_path / "results.md").read_text()
     assert f"# {LM_MODEL}: 2 ranks, batch 2 per rank, optimizer AdamW" in table
-    assert "ACP-SGD matrix_rank 0.5, fp16 on the wire" in table
+    assert "ACP-SGD matrix_rank 0.3, both factors every step, fp16 on the wire" in table
 
 
 @pytest.mark.horovod
