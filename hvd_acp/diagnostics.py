@@ -50,12 +50,16 @@ class StepRecord:
         self.turns: List[float] = []
 
     def add_compressed(self, grad: Optional[Tensor], accumulated: Tensor,
-                       factor: Tensor) -> None:
-        """``grad`` M (or None), ``accumulated`` A = M + E, ``factor`` A B."""
+                       factor: Tensor, counted_twice: Optional[Tensor] = None) -> None:
+        """``grad`` M (or None), ``accumulated`` A = M + E, ``factor`` A B;
+        ``counted_twice``: the part of ``factor`` on both bases of a PQ step
+        (``Ph^T A Qh``), in A Qh and in A^T Ph alike, kept once."""
         if grad is not None:
             self.grad2 += float(grad.double().pow(2).sum())
         self.accumulated2 += float(accumulated.double().pow(2).sum())
         self.kept2 += float(factor.double().pow(2).sum())
+        if counted_twice is not None:
+            self.kept2 -= float(counted_twice.double().pow(2).sum())
 
     def add_feedback(self, applied: Tensor, residual: Tensor) -> None:
         self.applied2 += float(applied.double().pow(2).sum())

@@ -183,11 +183,9 @@ class CompressedTensor:
             factor = out
         else:
             factor = compress_columns_(grad, error, basis, out)   # Q_i = A^T Ph; Q_i^T back
-        if record is not None:
-            record.add_compressed(matrix, error, out)   # norms: either orientation
-            if phase is Phase.PQ:                       # the part on both bases, once
-                record.kept2 -= float(torch.mm(basis[0].t(), out[:self.layout.n])
-                                      .double().pow(2).sum())
+        if record is not None:                         # norms: either orientation
+            record.add_compressed(matrix, error, out, None if phase is not Phase.PQ
+                                  else torch.mm(basis[0].t(), out[:self.layout.n]))
         if not residual:
             return None
         if not defer:
