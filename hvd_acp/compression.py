@@ -388,13 +388,18 @@ def step_ahead_shift(error: Tensor, lr: float, step_ahead: float, share: float =
             the residual in the units of the applied gradient.
         denom: optional, shape (n, m): an adaptive optimizer's per-element
             divisor (Adam's ``sqrt(v_hat) + eps``), so that the shift is the
-            step the optimizer would take for ``E``.
+            step the optimizer would take for ``E``, bounded as its own steps
+            are: ``E / (share * denom)`` is clipped to [-1, 1], so no element
+            moves further than ``lr * a``. Where the gradient so far was
+            tiny (an element early compressed steps sent little of) the
+            divisor is tiny too, and an unbounded shift threw the first steps
+            of a transformer's training off (docs/convergence.md).
 
     Returns:
-        A new tensor of shape (n, m): ``lr * a * E / share`` (divided by
-        ``denom`` if given).
+        A new tensor of shape (n, m): ``lr * a * E / share``, or with
+        ``denom`` ``lr * a * clip(E / (share * denom), -1, 1)``.
     """
-    shift = error.mul(lr * step_ahead / share)
-    if denom is not None:
-        shift.div_(denom)
-    return shift
+    if denom is None:
+        return error.mul(lr * step_ahead / share)
+    ratio = torch.div(error, denom).clamp_(-share, share)
+    return ratio.mul_(lr * step_ahead / share)

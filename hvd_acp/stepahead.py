@@ -217,8 +217,10 @@ class StepAhead:
                 # step_ahead_shift without denominator, fused: one pass.
                 torch.add(true, self._shaped(name, error, param), alpha=alpha, out=shifted)
             elif denom is not None and error.dtype == param.dtype:
-                torch.addcdiv(true, self._shaped(name, error, param), denom.view(param.shape),
-                              value=alpha, out=shifted)
+                # step_ahead_shift with its bound, in the denominator's buffer.
+                ratio = torch.div(self._shaped(name, error, param), denom.view(param.shape),
+                                  out=denom.view(param.shape)).clamp_(-share, share)
+                torch.add(true, ratio, alpha=alpha, out=shifted)
             else:
                 if denom is not None:
                     denom = denom.reshape(error.shape).to(error.dtype)
