@@ -81,9 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "or 'auto' for a rank per tensor (default with --optimizer sgd: "
                              "4 for resnet50, small and your model, 32 for bert-base; with "
                              "--optimizer adamw none is passed and each method resolves "
-                             "hvd_acp's adaptive defaults (hvd_acp.Settings: ACP-SGD half of "
-                             "each matrix's smaller side, Power-SGD a quarter, fp16 on the "
-                             "wire), torch's powerSGD_hook the int rank whose bytes per step "
+                             "hvd_acp's adaptive defaults (hvd_acp.Settings: ACP-SGD both factors "
+                             "every step at 0.3 of each matrix's smaller side, Power-SGD a "
+                             "quarter, fp16 on the wire), torch's powerSGD_hook the int rank whose bytes per step "
                              "come closest to what hvd_acp's Power-SGD sends)")
     parser.add_argument("--rounds", type=positive_int, default=DEFAULT_ROUNDS,
                         help="run every job (floor, methods, diagnostics) once per round, in "

@@ -124,8 +124,9 @@ class Settings:
        averaged exactly in the same all-reduce. 0 compresses every matrix.
     6. ``step_ahead`` (default 0.2): step-ahead error feedback. Each rank
        computes its next gradient at ``w - step_ahead * lr / (1 - momentum)
-       * E_i`` (Adam-family: ``w - step_ahead * lr * clip(E_i / (sqrt(v_hat)
-       + eps), -1, 1)``, no element further than Adam's own step), where the
+       * E_i`` (Adam-family: ``w - step_ahead * lr * E_i / (sqrt(v_hat') +
+       eps)``, with ``v_hat'`` the second moment Adam would hold after a
+       step on ``E_i``: the step Adam would take for it), where the
        residual it still owes will take the weights. That
        keeps ACP-SGD stable at the learning rates plain averaging trains at
        (scaled by the number of ranks, momentum 0.9), where the residual

@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import numbers
 import weakref
 from typing import Callable, Dict, List, Optional, Tuple
@@ -45,7 +44,7 @@ import torch
 from torch import Tensor
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from .compression import step_ahead_shift
+from .compression import adaptive_shift_denom, step_ahead_shift
 
 logger = logging.getLogger(__name__)
 
@@ -60,16 +59,19 @@ def check_step_ahead(step_ahead) -> None:
         raise ValueError(f"step_ahead must be a finite number >= 0, got {step_ahead!r}")
 
 
-def _adaptive_denom(state: dict, group: dict) -> Optional[Tensor]:
-    """Adam-style ``sqrt(v_hat) + eps`` of a parameter, or None for SGD-like updates."""
+def _adaptive_denom(state: dict, group: dict, error: Tensor,
+                    share: float) -> Optional[Tensor]:
+    """Adam's divisor for a step on the residual ``error`` (in the
+    parameter's shape; :func:`.compression.adaptive_shift_denom`), or None
+    for SGD-like updates."""
     exp_avg_sq = state.get("exp_avg_sq")
     if exp_avg_sq is None or "betas" not in group:
         return None
     step = float(state.get("step", 0))
     if step <= 0:
         return None
-    bias_correction2 = 1.0 - group["betas"][1] ** step
-    return (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(group.get("eps", 1e-8))
+    return adaptive_shift_denom(error, exp_avg_sq, group["betas"][1], step,
+                                group.get("eps", 1e-8), share)
 
 
 def eventual_step(group: dict, adaptive: bool) -> float:
@@ -198,7 +200,7 @@ class StepAhead:
             if not param.requires_grad or id(param) not in groups:
                 continue
             group, state = groups[id(param)]
-            denom = _adaptive_denom(state, group)
+            denom = _adaptive_denom(state, group, self._shaped(name, error, param), share)
             scale = eventual_step(group, adaptive=denom is not None)
             if not scale:
                 continue
@@ -217,10 +219,8 @@ class StepAhead:
                 # step_ahead_shift without denominator, fused: one pass.
                 torch.add(true, self._shaped(name, error, param), alpha=alpha, out=shifted)
             elif denom is not None and error.dtype == param.dtype:
-                # step_ahead_shift with its bound, in the denominator's buffer.
-                ratio = torch.div(self._shaped(name, error, param), denom.view(param.shape),
-                                  out=denom.view(param.shape)).clamp_(-share, share)
-                torch.add(true, ratio, alpha=alpha, out=shifted)
+                torch.addcdiv(true, self._shaped(name, error, param), denom.view(param.shape),
+                              value=alpha, out=shifted)
             else:
                 if denom is not None:
                     denom = denom.reshape(error.shape).to(error.dtype)

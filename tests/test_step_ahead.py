@@ -8,7 +8,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import hvd_acp
-from hvd_acp.compression import step_ahead_shift
+from hvd_acp.compression import adaptive_shift_denom, step_ahead_shift
 from hvd_acp.stepahead import eventual_step
 
 F64 = torch.float64
@@ -61,24 +61,51 @@ def test_shift_is_the_residual_in_applied_units_times_lr_and_a():
     # Sign: the shift points where paying the residual takes the weights
     # (w - shift), like a gradient step on E.
     assert torch.sum(step_ahead_shift(error, 0.3, 2.0) * error) > 0
-    denom = torch.rand(5, 7, generator=gen, dtype=F64) + 5.0     # |E / denom| < 1
+    denom = torch.rand(5, 7, generator=gen, dtype=F64) + 0.5
     assert_close(step_ahead_shift(error, 0.3, 2.0, denom=denom), 0.6 * error / denom)
     assert error.abs().sum() > 0                      # not modified in place
 
 
-def test_adaptive_shift_moves_no_element_further_than_a_times_lr():
-    # Adam's divisor is tiny where the gradient so far was tiny, which is
-    # where early compressed steps sent little: E / denom has no bound there.
-    error = torch.tensor([[3.0, -2.0, 0.5, -0.25]], dtype=F64)
-    denom = torch.tensor([[1e-8, 1e-8, 1.0, 0.5]], dtype=F64)
-    shift = step_ahead_shift(error, 0.3, 2.0, denom=denom)
-    assert_close(shift, torch.tensor([[0.6, -0.6, 0.3, -0.3]], dtype=F64))
-    # The bound holds in applied units: under a summing front end (share
-    # 1 / N) Adam sees N times the gradient and its divisor grows N times, so
-    # the user keeps lr and the shift is an averaging front end's.
-    world = 4
-    summed = step_ahead_shift(error, 0.3, 2.0, share=1.0 / world, denom=denom * world)
-    assert_close(summed, shift)
+def test_adaptive_divisor_is_adams_for_a_step_on_the_residual():
+    gen = torch.Generator().manual_seed(2)
+    error = torch.randn(4, 5, generator=gen, dtype=F64)
+    v = torch.rand(4, 5, generator=gen, dtype=F64) + 0.1
+    beta2, step, eps = 0.999, 7.0, 1e-8
+    denom = adaptive_shift_denom(error, v, beta2, step, eps)
+    expected = ((beta2 * v + (1 - beta2) * error ** 2) / (1 - beta2 ** 8)).sqrt() + eps
+    assert_close(denom, expected)
+    # A residual small against the gradients so far, many steps in: Adam's
+    # own sqrt(v_hat) + eps, to within the decay of one step.
+    small = adaptive_shift_denom(error * 1e-6, v, beta2, 1000.0, eps)
+    assert_close(small, (v / (1 - beta2 ** 1000)).sqrt() + eps, rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("step", [1.0, 10.0, 1000.0])
+def test_adaptive_shift_is_bounded_where_the_second_moment_is_tiny(step):
+    # An element the first compressed steps sent little of has a tiny v: the
+    # shift E / denom is bounded by sqrt((1 - beta2^(t + 1)) / (1 - beta2)).
+    beta2 = 0.999
+    error = torch.tensor([[3.0, -2.0, 1e-3]], dtype=F64)
+    v = torch.tensor([[1e-20, 0.0, 1.0]], dtype=F64)
+    ratio = error / adaptive_shift_denom(error, v, beta2, step, 1e-8)
+    bound = ((1 - beta2 ** (step + 1)) / (1 - beta2)) ** 0.5
+    assert ratio[0, :2].abs().max() <= bound * (1 + 1e-9)
+    assert ratio[0, :2].abs().min() >= 0.99 * bound          # reached where v is 0
+    assert ratio[0, 2].abs() < 1e-2                          # a large v keeps it small
+
+
+def test_adaptive_shift_under_a_summing_front_end_is_the_averaging_ones():
+    # op=Sum: Adam sees N times the gradient (its v N^2 times), the residual
+    # counts 1/N of the applied sum (share 1/N), and the user keeps lr.
+    world, beta2 = 4, 0.999
+    gen = torch.Generator().manual_seed(3)
+    error = torch.randn(3, 6, generator=gen, dtype=F64)
+    v = torch.rand(3, 6, generator=gen, dtype=F64) * 1e-3
+    averaged = step_ahead_shift(error, 0.3, 2.0, denom=adaptive_shift_denom(
+        error, v, beta2, 5.0, 1e-8))
+    summed = step_ahead_shift(error, 0.3, 2.0, share=1.0 / world, denom=adaptive_shift_denom(
+        error, v * world ** 2, beta2, 5.0, 1e-8 * world, share=1.0 / world))
+    assert_close(summed, averaged)
 
 
 def test_summing_and_averaging_reductions_shift_alike():
@@ -235,7 +262,7 @@ def test_load_state_dict_after_the_forward_pass_restores_the_true_weights():
     assert not torch.equal(model.fc1.weight.detach(), true["fc1.weight"])
 
 
-def test_adam_shift_divides_by_its_second_moment():
+def test_adam_shift_is_adams_step_on_the_residual():
     model = _net()
     inner = torch.optim.Adam(model.parameters(), lr=0.01, eps=1e-8)
     opt = _wrap(model, inner, step_ahead=0.5)
@@ -244,13 +271,16 @@ def test_adam_shift_divides_by_its_second_moment():
     true = _params(model)
     error = opt.reducer.errors["fc1.weight"].clone()
     state = inner.state[model.fc1.weight]
-    v_hat = state["exp_avg_sq"] / (1 - 0.999 ** float(state["step"]))
+    # Adam's divisor had it taken one more step, on the residual.
+    steps = float(state["step"])
+    v_next = 0.999 * state["exp_avg_sq"] + 0.001 * error ** 2
+    denom = (v_next / (1 - 0.999 ** (steps + 1))).sqrt() + 1e-8
     model(_batch(2))
-    ratio = error / (v_hat.sqrt() + 1e-8)
-    # Some elements owe more than one Adam step, some less: both sides of the bound.
-    assert (ratio.abs() > 1).any() and (ratio.abs() < 1).any()
-    expected = true["fc1.weight"] - 0.5 * 0.01 * ratio.clamp(-1, 1)
+    expected = true["fc1.weight"] - 0.5 * 0.01 * error / denom
     assert_close(model.fc1.weight.detach(), expected, rtol=1e-10, atol=1e-12)
+    # The residual's own term matters somewhere: not Adam's sqrt(v_hat) alone.
+    v_hat = state["exp_avg_sq"] / (1 - 0.999 ** steps)
+    assert not torch.allclose(denom, v_hat.sqrt() + 1e-8, rtol=1e-3, atol=0)
 
 
 @pytest.mark.parametrize("value", [-0.1, float("nan"), float("inf"), True, "0.2"])
