@@ -751,8 +751,8 @@ def replace_section(doc: Path, name: str, text: str) -> None:
 SHIFT_NOTE = (
     "Step-ahead under Adam changed in commit fd972b8 (the shift is now the step Adam would "
     "take for the residual; \"Step-ahead under Adam\" above). Every run of ACP-SGD's "
-    "defaults, and those of both factors at 0.25 at the best rate of scripts/user_lm.py at "
-    "4 ranks, ran with it. The other ACP-SGD rows (P and Q in turn, the ranks and shares of "
+    "defaults, and those of both factors at 0.25 at the best rate of examples/train_lm.py at "
+    "2 ranks and scripts/user_lm.py at 4, ran with it. The other ACP-SGD rows (P and Q in turn, the ranks and shares of "
     "the earlier advice, the ablations, both factors at 0.25 on the other recipes) ran "
     "before it, with the shift divided by Adam's "
     "sqrt(v_hat) + eps: their commands, run now, give the new shift.")
