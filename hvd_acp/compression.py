@@ -409,8 +409,9 @@ def adaptive_shift_denom(error: Tensor, exp_avg_sq: Tensor, beta2: float, step: 
     gradient it would divide by ``sqrt(v_hat') + eps`` with ``v' = beta2 v +
     (1 - beta2) (E / share)^2`` and ``v_hat' = v' / (1 - beta2^(step + 1))``.
     Where ``E`` is small against the gradients so far this is, a few hundred
-    steps in, Adam's ``sqrt(v_hat) + eps``; where the gradient so far was tiny (an element
-    the first compressed steps sent little of) it grows with ``E``, so the
+    steps in, Adam's ``sqrt(v_hat) + eps``; where the gradient so far was
+    tiny (an element the first compressed steps sent little of) it grows
+    with ``E``, so the
     shift ``E / (share * denom)`` stays within ``sqrt((1 - beta2^(step + 1))
     / (1 - beta2))``: 1.4 after one step, 32 in the long run at beta2 0.999.
 

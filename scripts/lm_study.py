@@ -697,7 +697,7 @@ def summary_table() -> List[str]:
         rate = (f"{best} (as at {recipe_of(recipe.rate_from).np} ranks)" if recipe.rate_from
                 else best)
         out.append(f"| {recipe.title} ([runs](bench-results/lm_adam/results.md)) | {rate} | "
-                   f"{cell(acp)} | {acp['bytes'] / acp['dense']:.3f} | {cell(previous)} | "
+                   f"{cell(acp)} | {share(acp)} | {cell(previous)} | "
                    f"{cell(both25)} | {cell(psgd)} | "
                    f"{share(previous or both25 or psgd)} | "
                    f"{len(acp['gaps'])} |")
@@ -752,9 +752,9 @@ SHIFT_NOTE = (
     "Step-ahead under Adam changed in commit fd972b8 (the shift is now the step Adam would "
     "take for the residual; \"Step-ahead under Adam\" above). Every run of ACP-SGD's "
     "defaults, and those of both factors at 0.25 at the best rate of examples/train_lm.py at "
-    "2 ranks and scripts/user_lm.py at 4, ran with it. The other ACP-SGD rows (P and Q in turn, the ranks and shares of "
-    "the earlier advice, the ablations, both factors at 0.25 on the other recipes) ran "
-    "before it, with the shift divided by Adam's "
+    "2 ranks and scripts/user_lm.py at 4, ran with it. The other ACP-SGD rows (P and Q in "
+    "turn, the ranks and shares of the earlier advice, the ablations, both factors at 0.25 "
+    "on the other recipes) ran before it, with the shift divided by Adam's "
     "sqrt(v_hat) + eps: their commands, run now, give the new shift.")
 
 
