@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from accelerate import Accelerator, DataLoaderConfiguration
 from torch.utils.data import DataLoader
 
-from common import DigitsCNN, add_framework_args, gradient_bytes, load_digits_split
+from common import (DigitsCNN, add_framework_args, gradient_bytes, leave_process_group,
+                    load_digits_split)
 from hvd_acp.integrations.accelerate import register_acp
 
 
@@ -79,6 +80,7 @@ def main():
     sent = state.comm_stats.bytes_sent / steps if state else dense
     accelerator.print(f"final test accuracy {100 * correct / count:.2f}%; bytes sent per step "
                       f"and rank: {sent:,.0f} (full gradient {dense:,}: {dense / sent:.1f}x less)")
+    leave_process_group()
 
 
 if __name__ == "__main__":

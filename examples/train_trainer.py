@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from common import DigitsCNN, add_framework_args, gradient_bytes, load_digits_split
+from common import (DigitsCNN, add_framework_args, gradient_bytes, leave_process_group,
+                    load_digits_split)
 from hvd_acp.integrations.transformers import register_acp
 
 
@@ -89,6 +90,7 @@ def main():
                  if "eval_accuracy" in log]
         print(f"final test accuracy {100 * final[-1]:.2f}%; bytes sent per step and rank: "
               f"{sent:,.0f} (full gradient {dense:,}: {dense / sent:.1f}x less)", flush=True)
+    leave_process_group()
 
 if __name__ == "__main__":
     main()
