@@ -11,7 +11,6 @@
   (:func:`allreduce_sums`), the ``--summary`` JSON (:func:`finish_run`),
   over Horovod or, for the DDP example, ``torch.distributed``
   (:class:`TorchCollectives`);
-- the end of a ``torchrun`` script (:func:`leave_process_group`);
 - the digits data (scikit-learn's bundled 8x8 handwritten digits, no
   download), its fixed train/test split and the small CNN trained on it.
 
@@ -24,7 +23,6 @@ import argparse
 import contextlib
 import json
 import os
-import time
 from typing import Dict, Iterable, Optional, Tuple
 
 import torch
@@ -401,25 +399,6 @@ def write_summary(path: Optional[str], summary: dict) -> None:
 # -------------------------------------------------------------------- digits
 DIGITS_TEST_FRACTION = 0.25
 DIGITS_SPLIT_SEED = 0
-
-
-def leave_process_group(pause_s: float = 0.2) -> None:
-    """End ``torch.distributed`` at the end of a ``torchrun`` script: a
-    barrier, a pause, ``destroy_process_group()``. A no-op outside one.
-
-    Without it a rank can abort after a run that succeeded ("terminate called
-    without an active exception", exit code -6, so ``torchrun`` reports a
-    failure): Gloo frees the last collective's tensors (the evaluation's
-    all-gather of the Trainer or Accelerate) in its own thread, which needs
-    the GIL, and a thread that gets it while the interpreter shuts down
-    aborts the process (pytorch/pytorch#190489). The pause releases the GIL
-    to that thread before the interpreter shuts down.
-    """
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        time.sleep(pause_s)
-        dist.destroy_process_group()
 
 
 def load_digits_split() -> Tuple[torch.utils.data.TensorDataset, torch.utils.data.TensorDataset]:

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from accelerate import Accelerator, DataLoaderConfiguration
 from torch.utils.data import DataLoader
 
-from common import (DigitsCNN, add_framework_args, gradient_bytes, leave_process_group,
-                    load_digits_split)
+from common import DigitsCNN, add_framework_args, gradient_bytes, load_digits_split
+from hvd_acp.comm import leave_process_group
 from hvd_acp.integrations.accelerate import register_acp
 
 

@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from common import (ByteMeter, DigitsCNN, TorchCollectives, add_training_args, finish_run,
                     gradient_bytes, load_digits_split)
+from hvd_acp.comm import leave_process_group
 
 HOOKS = ("allreduce", "powersgd", "acp")
 
@@ -207,7 +208,7 @@ def main(argv=None) -> dict:
         final_line=f"final test accuracy {100 * history['test_accuracy'][-1]:.2f}%, "
                    f"wall time {wall_s:.1f} s",
         collectives=collectives)
-    dist.destroy_process_group()
+    leave_process_group()
     return summary
 
 

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from common import (DigitsCNN, add_framework_args, gradient_bytes, leave_process_group,
-                    load_digits_split)
+from common import DigitsCNN, add_framework_args, gradient_bytes, load_digits_split
+from hvd_acp.comm import leave_process_group
 from hvd_acp.integrations.transformers import register_acp
 
 

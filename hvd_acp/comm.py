@@ -6,20 +6,22 @@ all-reduces (Gloo, MPI or NCCL, whatever Horovod was built with) and checks
 the Horovod arguments ACP-SGD cannot honour; :class:`LocalCommunicator` is
 the world-size-1 path used by single-process unit tests and needs no
 ``hvd.init()``. :func:`gather_objects` is the DDP hook's cross-rank check's
-collective, over ``torch.distributed``.
+collective, over ``torch.distributed``; :func:`leave_process_group` ends a
+``torch.distributed`` script without the abort at exit Gloo can cause.
 """
 from __future__ import annotations
 
 import dataclasses
 import io
 import pickle
+import time
 from typing import Any, List
 
 import torch
 from torch import Tensor
 
 __all__ = ["CommStats", "Communicator", "HorovodCommunicator", "LocalCommunicator",
-           "gather_objects"]
+           "gather_objects", "leave_process_group"]
 
 
 @dataclasses.dataclass
@@ -336,3 +338,24 @@ def gather_objects(obj: Any, device: torch.device, group=None) -> List[Any]:
     dist.all_gather(gathered, padded, group=group)
     return [pickle.loads(chunk[:int(size)].cpu().numpy().tobytes())
             for chunk, size in zip(gathered, sizes)]
+
+
+def leave_process_group(pause_s: float = 0.2) -> None:
+    """End ``torch.distributed`` at the end of a script: a barrier, a pause,
+    ``destroy_process_group()``; nothing where no process group is initialized.
+
+    Without it a rank can abort after a run that succeeded ("terminate called
+    without an active exception", exit code -6, so ``torchrun`` reports a
+    failure): Gloo frees a finished collective's tensors (the last all-gather
+    of an evaluation, a barrier's record of it) in its own thread, which needs
+    the GIL, and a thread that gets it while the interpreter shuts down aborts
+    the process (pytorch/pytorch#190489). ``destroy_process_group()`` alone
+    does not stop that thread while a DDP model still holds the group. The
+    pause, after every rank reached the barrier, releases the GIL to it.
+    Blocking: every rank of the group must call it.
+    """
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        time.sleep(pause_s)
+        dist.destroy_process_group()

@@ -30,10 +30,10 @@ import zlib
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import transformers
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
+from hvd_acp.comm import leave_process_group
 from hvd_acp.integrations.transformers import register_acp
 from hvd_acp.plan.units import matrix_rank_type
 
@@ -165,12 +165,7 @@ def main(argv=None) -> None:
         if args.summary:
             Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
             Path(args.summary).write_text(json.dumps(summary, indent=1))
-    if dist.is_initialized():
-        # As examples/common.py's leave_process_group: without it a rank can
-        # abort at exit after a run that succeeded (pytorch/pytorch#190489).
-        dist.barrier()
-        time.sleep(0.2)
-        dist.destroy_process_group()
+    leave_process_group()       # no abort at exit (hvd_acp.comm.leave_process_group)
 
 
 if __name__ == "__main__":

@@ -202,3 +202,24 @@ def test_both_factors_at_four_ranks(tmp_path):
 def test_replicas_bit_identical_at_three_ranks():
     out = torchrun("ddp_cases.py", "replicas", np=3, timeout=240)
     assert ok_ranks(out, "replicas") == [0, 1, 2], out[-6000:]
+
+
+def test_leave_process_group_ends_torch_distributed_and_is_a_no_op_without_it():
+    """hvd_acp.comm.leave_process_group: after it no group is initialized (a
+    barrier ran first: a world of one passes it), and where none is it does
+    nothing."""
+    import torch.distributed as dist
+
+    from hvd_acp.comm import leave_process_group
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    leave_process_group(pause_s=0)                  # nothing to leave: no error
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        work = dist.all_reduce(torch.ones(3), async_op=True)
+        work.wait()
+        leave_process_group(pause_s=0)
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -16,6 +16,7 @@ from typing import Any, List
 
 import torch
 
+from ..comm import leave_process_group
 from ..methods import HOROVOD, TORCHRUN
 
 __all__ = ["World", "start"]
@@ -74,16 +75,15 @@ class World:
         What the methods left (DDP reducers, hook states, their futures) is
         collected first: left to interpreter finalization, a Gloo work that
         still holds their tensors is destroyed without the interpreter and
-        aborts the process ("terminate called without an active exception").
+        aborts the process ("terminate called without an active exception";
+        :func:`~hvd_acp.comm.leave_process_group`).
         """
         gc.collect()
         if self.launcher == HOROVOD:
             import horovod.torch as hvd
             hvd.shutdown()
         else:
-            import torch.distributed as dist
-            dist.barrier()
-            dist.destroy_process_group()
+            leave_process_group()
 
 
 def _device(kind: str, local_rank: int) -> torch.device:
