@@ -1,6 +1,8 @@
 """What ACP-SGD's compression costs per step in one process: seconds and operator calls.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/compression_cost.py --model resnet50 --batch-size 4
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/compression_cost.py --model bert-base \
+        --batch-size 8 --inner adamw                # the defaults for AdamW
 
 One process, no communication (hvd_acp.LocalCommunicator): the benchmark's
 model and batch, trained with hvd_acp.DistributedOptimizer. Prints the
@@ -32,6 +34,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 import hvd_acp  # noqa: E402
 from benchmarks.worker import count_calls  # noqa: E402
 from hvd_acp.plan.models import MODELS, build_model, default_matrix_rank  # noqa: E402
+from hvd_acp.plan.units import matrix_rank_type  # noqa: E402
 
 
 def operator_calls(step, steps: int = 2) -> Dict[str, float]:
@@ -46,17 +49,32 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="resnet50", choices=MODELS)
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--matrix-rank", type=int, default=None)
+    parser.add_argument("--matrix-rank", type=matrix_rank_type, default=None,
+                        help="an int rank or a share in (0, 1); default: the model's "
+                             "rank under SGD, the library's adaptive defaults under AdamW")
+    parser.add_argument("--inner", choices=("sgd", "adamw"), default="sgd",
+                        help="the wrapped optimizer: SGD with momentum 0.9, or AdamW")
+    parser.add_argument("--both-factors", choices=("on", "off"), default=None,
+                        help="send both factors every step (default: the library's choice)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--optimizer", choices=("acp", "powersgd"), default="acp",
                         help="hvd_acp.DistributedOptimizer (ACP-SGD) or "
                              "hvd_acp.PowerSGDOptimizer (Power-SGD), the same arguments")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    rank = args.matrix_rank or default_matrix_rank(args.model)
+    adaptive = args.inner == "adamw"
+    rank = args.matrix_rank or (None if adaptive else default_matrix_rank(args.model))
+    settings = {} if rank is None else {"matrix_rank": rank}
+    if args.both_factors is not None:
+        settings["both_factors"] = args.both_factors == "on"
+
+    def inner_optimizer(params):
+        if adaptive:
+            return torch.optim.AdamW(params, lr=1e-4)
+        return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
     spec = build_model(args.model, args.batch_size)
-    plain = torch.optim.SGD(spec.model.parameters(), lr=0.01, momentum=0.9)
+    plain = inner_optimizer(spec.model.parameters())
 
     def plain_step():
         plain.zero_grad()
@@ -67,10 +85,10 @@ def main(argv=None) -> None:
     floor_calls = operator_calls(plain_step)
 
     spec = build_model(args.model, args.batch_size)
-    inner = torch.optim.SGD(spec.model.parameters(), lr=0.01, momentum=0.9)
+    inner = inner_optimizer(spec.model.parameters())
     wrapper = (hvd_acp.DistributedOptimizer if args.optimizer == "acp"
                else hvd_acp.PowerSGDOptimizer)
-    opt = wrapper(inner, spec.model.named_parameters(), matrix_rank=rank,
+    opt = wrapper(inner, spec.model.named_parameters(), **settings,
                   communicator=hvd_acp.LocalCommunicator())
     reducer, shift = opt._reducer, opt._step_ahead
 
@@ -92,14 +110,16 @@ def main(argv=None) -> None:
         shifting.append(time.perf_counter() - start)
         shift.after_step()
     calls = operator_calls(step)
-    print(f"{hvd_acp.__file__}: {wrapper.__name__}, {args.model}, batch {args.batch_size}, "
-          f"rank {rank}: "
+    resolved = opt.settings
+    print(f"{hvd_acp.__file__}: {wrapper.__name__} over {type(inner).__name__}, {args.model}, "
+          f"batch {args.batch_size}, matrix_rank {resolved.matrix_rank}"
+          f"{', both factors' if getattr(resolved, 'both_factors', False) else ''}: "
           f"compression {statistics.median(compression) * 1e3:.1f} ms per step "
           f"(min {min(compression) * 1e3:.1f}), step-ahead shift on and off "
           f"{statistics.median(shifting) * 1e3:.1f} ms, operator calls per step "
-          f"{calls['ops']:.0f} ({calls['ops'] - floor_calls['ops']:.0f} over plain SGD's "
+          f"{calls['ops']:.0f} ({calls['ops'] - floor_calls['ops']:.0f} over the plain step's "
           f"{floor_calls['ops']:.0f}), kernels {calls['kernels']:.0f} "
-          f"({calls['kernels'] - floor_calls['kernels']:.0f} over plain SGD's "
+          f"({calls['kernels'] - floor_calls['kernels']:.0f} over the plain step's "
           f"{floor_calls['kernels']:.0f})")
 
 
