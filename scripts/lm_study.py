@@ -751,11 +751,11 @@ def replace_section(doc: Path, name: str, text: str) -> None:
 SHIFT_NOTE = (
     "Step-ahead under Adam changed in commit fd972b8 (the shift is now the step Adam would "
     "take for the residual; \"Step-ahead under Adam\" above). Every run of ACP-SGD's "
-    "defaults, and those of both factors at 0.25 at the best rate of examples/train_lm.py at "
-    "2 ranks and scripts/user_lm.py at 4, ran with it. The other ACP-SGD rows (P and Q in "
-    "turn, the ranks and shares of the earlier advice, the ablations, both factors at 0.25 "
-    "on the other recipes) ran before it, with the shift divided by Adam's "
-    "sqrt(v_hat) + eps: their commands, run now, give the new shift.")
+    "defaults, of P and Q in turn (the previous defaults) and of both factors at 0.25 on this "
+    "page ran with it; the runs they replaced are in bench-results/lm_adam_shift_sqrt_v_hat/. "
+    "The other ACP-SGD rows (the ranks of the earlier advice, the ablations, the frontier's P "
+    "and Q in turn at 0.25) ran before it, with the shift divided by Adam's sqrt(v_hat) + eps: "
+    "their commands, run now, give the new shift.")
 
 
 def report() -> str:
