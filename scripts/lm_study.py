@@ -198,8 +198,11 @@ class Run:
 
     @property
     def flags(self) -> Tuple[str, ...]:
-        known = {**self.recipe.methods, **self.recipe.extra_methods,
-                 **{label: flags for label, flags, _ in FRONTIER}}
+        # The recipe's own flags win: the frontier's are the Horovod scripts'
+        # (a label such as "ACP-SGD, rank 4" is in both, and scripts/trainer_lm.py
+        # takes --method, not --optimizer).
+        known = {**{label: flags for label, flags, _ in FRONTIER},
+                 **self.recipe.extra_methods, **self.recipe.methods}
         return known[self.label]
 
     @property

@@ -164,3 +164,17 @@ def test_the_rank_advice_matches_the_defaults():
     assert adam.both_factors and not sgd.both_factors and "both factors" in RANK_ADVICE
     assert adam.fp16_wire and not sgd.fp16_wire and "fp16 on the wire" in RANK_ADVICE
     assert RANK_ADVICE in " ".join(Settings.__doc__.split())
+
+
+def test_every_recipe_runs_its_own_flags(lm_study):
+    """A label both a recipe and the frontier name (such as "ACP-SGD, rank 4")
+    runs with the recipe's flags: scripts/trainer_lm.py takes --method, the
+    frontier's Horovod scripts --optimizer."""
+    for recipe in lm_study.RECIPES:
+        for label, flags in {**recipe.extra_methods, **recipe.methods}.items():
+            run = lm_study.Run(recipe, label, "1e-3", 0)
+            assert run.flags == flags, (recipe.key, label)
+            assert set(run.command()) >= set(flags)
+    trainer = lm_study.recipe_of("trainer_lm_np2")
+    assert all("--optimizer" not in lm_study.Run(trainer, label, "1e-3", 0).command()
+               for label in {**trainer.extra_methods, **trainer.methods})
