@@ -753,12 +753,13 @@ def replace_section(doc: Path, name: str, text: str) -> None:
 #: Which runs predate the step-ahead shift under Adam of commit fd972b8.
 SHIFT_NOTE = (
     "Step-ahead under Adam changed in commit fd972b8 (the shift is now the step Adam would "
-    "take for the residual; \"Step-ahead under Adam\" above). Every run of ACP-SGD's "
-    "defaults, of P and Q in turn (the previous defaults) and of both factors at 0.25 on this "
-    "page ran with it; the runs they replaced are in bench-results/lm_adam_shift_sqrt_v_hat/. "
-    "The other ACP-SGD rows (the ranks of the earlier advice, the ablations, the frontier's P "
-    "and Q in turn at 0.25) ran before it, with the shift divided by Adam's sqrt(v_hat) + eps: "
-    "their commands, run now, give the new shift.")
+    "take for the residual; \"Step-ahead under Adam\" above). Every ACP-SGD run on this "
+    "page ran with it except, on the two 4-rank recipes, those at rank 4, at rank 32 and of "
+    "P and Q in turn at share 0.25 (the frontier's, seeds 0-2; the first two also in the "
+    "recipe's table). Those ran before it, with the shift divided by Adam's sqrt(v_hat) + "
+    "eps; their commands, run now, give the new shift. The runs redone with the new shift "
+    "replaced those now in bench-results/lm_adam_shift_sqrt_v_hat/. The frontier's sign "
+    "update runs with step-ahead 0, which the change does not touch.")
 
 
 def report() -> str:
