@@ -113,7 +113,7 @@ def main(argv=None) -> None:
     resolved = opt.settings
     print(f"{hvd_acp.__file__}: {wrapper.__name__} over {type(inner).__name__}, {args.model}, "
           f"batch {args.batch_size}, matrix_rank {resolved.matrix_rank}"
-          f"{', both factors' if getattr(resolved, 'both_factors', False) else ''}: "
+          f"{', both factors' if resolved.both_factors else ''}: "
           f"compression {statistics.median(compression) * 1e3:.1f} ms per step "
           f"(min {min(compression) * 1e3:.1f}), step-ahead shift on and off "
           f"{statistics.median(shifting) * 1e3:.1f} ms, operator calls per step "

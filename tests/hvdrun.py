@@ -46,10 +46,16 @@ def torchrun(script: str | Path, *args: str, np: int = 2, timeout: float = 180,
     A timeout kills the whole process group and fails the test; unlike
     :func:`horovodrun` the exit status is left to the caller's assertions.
     """
+    return torchrun_status(script, *args, np=np, timeout=timeout, env=env)[1]
+
+
+def torchrun_status(script: str | Path, *args: str, np: int = 2, timeout: float = 180,
+                    env: dict | None = None) -> tuple[int, str]:
+    """:func:`torchrun`, returning ``(exit status of torchrun, output of all ranks)``."""
     launcher = Path(sys.executable).with_name("torchrun")
     path = Path(script) if Path(script).is_absolute() else WORKERS / script
     cmd = [str(launcher), "--standalone", "--nproc-per-node", str(np), str(path), *args]
-    return run_with_timeout(cmd, timeout, f"torchrun {path.name} {' '.join(args)}", env)
+    return _run(cmd, timeout, f"torchrun {path.name} {' '.join(args)}", env)
 
 
 def run_with_timeout(cmd: list[str], timeout: float, what: str,

@@ -10,13 +10,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.hvdrun import horovodrun, requires_emulation, run_status, torchrun
+from tests.hvdrun import horovodrun, requires_emulation, torchrun, torchrun_status
 
 pytestmark = pytest.mark.horovod
 
@@ -119,15 +118,13 @@ def test_digits_ddp_acp_hook_under_torchrun(tmp_path):
 def test_integration_examples_train_and_exit_cleanly_under_torchrun(tmp_path, example):
     """The Trainer and Accelerate examples under torchrun: every rank exits 0.
 
-    They end with examples/common.py's leave_process_group: without it a rank
-    aborted at exit in about 1 run in 4 (the evaluation's all-gather freed by
-    Gloo during interpreter shutdown, pytorch/pytorch#190489), and torchrun
-    then exits 1 after training succeeded.
+    They end with hvd_acp.comm.leave_process_group: without it a rank aborted
+    at exit in about 1 run in 4 (the evaluation's all-gather freed by Gloo
+    during interpreter shutdown, pytorch/pytorch#190489), and torchrun then
+    exits 1 after training succeeded.
     """
-    launcher = Path(sys.executable).with_name("torchrun")
-    cmd = [str(launcher), "--standalone", "--nproc-per-node", "2", str(EXAMPLES / example),
-           "--epochs", "2", "--out", str(tmp_path / "out")]
-    status, out = run_status(cmd, 240, f"torchrun {example}")
+    status, out = torchrun_status(EXAMPLES / example, "--epochs", "2", "--out",
+                                  str(tmp_path / "out"), np=2, timeout=240)
     assert status == 0, out[-6000:]
     assert "terminate called" not in out, out[-6000:]
     accuracy = float(out.split("final test accuracy ")[1].split("%")[0])
