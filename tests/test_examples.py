@@ -33,11 +33,17 @@ def _run_example(script: str, summary: Path, *args: str, timeout: float) -> dict
     return json.loads(summary.read_text())
 
 
-def _digits_gradient_bytes() -> int:
-    """Bytes of one full gradient of the digits CNN, from examples/common.py."""
+def _examples_common():
+    """examples/common.py as a module (the examples are scripts, not a package)."""
     spec = importlib.util.spec_from_file_location("examples_common", EXAMPLES / "common.py")
     common = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(common)
+    return common
+
+
+def _digits_gradient_bytes() -> int:
+    """Bytes of one full gradient of the digits CNN, from examples/common.py."""
+    common = _examples_common()
     return common.gradient_bytes(common.DigitsCNN())
 
 
@@ -154,9 +160,7 @@ def test_the_examples_pass_each_method_its_own_flags():
 
     import torch
     from torch import nn
-    spec = importlib.util.spec_from_file_location("examples_common_flags", EXAMPLES / "common.py")
-    common = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(common)
+    common = _examples_common()
     parser = argparse.ArgumentParser()
     common.add_baseline_args(parser)
     args = parser.parse_args(["--diloco-h", "20", "--demo-k", "2"])
@@ -228,9 +232,7 @@ def test_compare_runs_the_digits_over_an_emulated_link(tmp_path):
 def test_byte_meter_counts_horovods_fp16_compression_as_half():
     """S-SGD under hvd.Compression.fp16 sends half of each float32 gradient:
     the meter counts that, and S-SGD's own reference stays the full gradient."""
-    spec = importlib.util.spec_from_file_location("examples_common_meter", EXAMPLES / "common.py")
-    common = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(common)
+    common = _examples_common()
     model = torch.nn.Linear(10, 6)                          # 66 float32 parameters
     full = common.ByteMeter(object(), model)
     half = common.ByteMeter(object(), model, fp16=True)
@@ -242,9 +244,7 @@ def test_byte_meter_counts_horovods_fp16_compression_as_half():
 def test_sign_adamw_steps_matrices_by_sign_and_the_rest_by_adamw():
     """train_lm.py's --update sign: a matrix moves by -lr * sign(grad) after
     the decoupled weight decay; a 1-D tensor exactly as under AdamW."""
-    spec = importlib.util.spec_from_file_location("examples_common_sign", EXAMPLES / "common.py")
-    common = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(common)
+    common = _examples_common()
     torch.manual_seed(0)
     model, twin = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
     twin.load_state_dict(model.state_dict())
