@@ -750,16 +750,13 @@ def replace_section(doc: Path, name: str, text: str) -> None:
     doc.write_text(new, encoding="utf-8")
 
 
-#: Which runs predate the step-ahead shift under Adam of commit fd972b8.
+#: Where the runs made before the step-ahead shift under Adam of commit fd972b8 went.
 SHIFT_NOTE = (
     "Step-ahead under Adam changed in commit fd972b8 (the shift is now the step Adam would "
     "take for the residual; \"Step-ahead under Adam\" above). Every ACP-SGD run on this "
-    "page ran with it except, on the two 4-rank recipes, those at rank 4, at rank 32 and of "
-    "P and Q in turn at share 0.25 (the frontier's, seeds 0-2; the first two also in the "
-    "recipe's table). Those ran before it, with the shift divided by Adam's sqrt(v_hat) + "
-    "eps; their commands, run now, give the new shift. The runs redone with the new shift "
-    "replaced those now in bench-results/lm_adam_shift_sqrt_v_hat/. The frontier's sign "
-    "update runs with step-ahead 0, which the change does not touch.")
+    "page ran with it. The runs it replaced, made with the shift divided by Adam's "
+    "sqrt(v_hat) + eps, are kept in bench-results/lm_adam_shift_sqrt_v_hat/. The "
+    "frontier's sign update runs with step-ahead 0, which the change does not touch.")
 
 
 def report() -> str:
