@@ -425,6 +425,20 @@ def _tiny_loss(model, batch):
     return nn.functional.cross_entropy(model(batch[0]), batch[1])
 
 
+def test_profile_model_refuses_an_optimizer_whose_defaults_it_does_not_model():
+    """AdamW's defaults send both factors every step; the planner times P and Q
+    in turn, so a profile under AdamW would describe another run."""
+    from hvd_acp.plan import profile_model
+    model = Tiny()
+    batch = (torch.randn(16, 64), torch.randint(0, 10, (16,)))
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match="both factors every step.*benchmarks --optimizer adamw"):
+        profile_model(model, batch, _tiny_loss, optimizer=adamw, steps=1, repeats=1)
+    sgd = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    assert profile_model(model, batch, _tiny_loss, optimizer=sgd, matrix_rank=2, steps=1,
+                         repeats=1)["params"]
+
+
 def test_profile_model_fields_and_plans():
     from hvd_acp.fusion import make_layouts, plan_buckets
     from hvd_acp.compression import Phase

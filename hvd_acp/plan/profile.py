@@ -240,7 +240,9 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
             takes one rank, is profiled at ``max_rank``).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default: the model's.
         optimizer: the optimizer whose update is timed; default
-            ``SGD(lr=1e-3, momentum=0.9)``.
+            ``SGD(lr=1e-3, momentum=0.9)``. An adaptive one (Adam, AdamW...)
+            raises ``ValueError``: its defaults send both factors every
+            step, which the planner does not model.
         steps, warmup: timed and untimed training steps.
         repeats: timed calls of each compression kernel.
         fusion_threshold_bytes, min_compression_rate: as for
@@ -272,6 +274,13 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
     if optimizer is None:
         optimizer = torch.optim.SGD([p for _, p in named], lr=1e-3, momentum=0.9)
     settings = given.resolve(optimizer)
+    if settings.both_factors:
+        raise ValueError(
+            f"{type(optimizer).__name__} gets ACP-SGD's defaults for adaptive optimizers, both "
+            "factors every step, and the planner models only P and Q in turn (the SGD "
+            "defaults): its figures would not be that run's. Time an AdamW run with "
+            "`python -m benchmarks --optimizer adamw`, or profile with an SGD optimizer to "
+            "compare the methods at P and Q in turn")
     matrix_rank, min_compression_rate = settings.matrix_rank, settings.min_compression_rate
     fixed_rank, auto = parse_matrix_rank(matrix_rank)
 
