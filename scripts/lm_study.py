@@ -156,7 +156,7 @@ RECIPES = (
            {SSGD: ("--optimizer", "ssgd"), ACP: ("--optimizer", "acp"),
             PREVIOUS: ("--optimizer", "acp", *IN_TURN),
             BOTH25: ("--optimizer", "acp", "--matrix-rank", "0.25")}, {},
-           ("--steps", "400"), rate_from="user_lm_np4", seeds=(0,)),
+           ("--steps", "400"), rate_from="user_lm_np4"),
 )
 
 
