@@ -536,8 +536,8 @@ def case_ddp(args) -> None:
               f"replicas bit-identical after {steps} steps (first averaged gradient "
               f"{first_error:.1e} from the exact projection); full rank float64 {exact:.1e} "
               f"from exact averaging", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    from hvd_acp.comm import leave_process_group
+    leave_process_group()
 
 
 CASES: Dict[str, Callable] = {"maths": case_maths, "replicas": case_replicas,

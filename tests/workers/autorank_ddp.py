@@ -62,7 +62,8 @@ def main():
     state2.load_state_dict(saved)
     assert state2.chosen_ranks() == saved["ranks"] == state.chosen_ranks()
     report(f"OK ddp {dist.get_rank()} {json.dumps(probes[-1][1], sort_keys=True)}")
-    dist.destroy_process_group()
+    from hvd_acp.comm import leave_process_group
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import hvd_acp.ddp  # noqa: E402
 from hvd_acp.compression import Phase  # noqa: E402
+from hvd_acp.comm import leave_process_group  # noqa: E402
 from worker_io import report  # noqa: E402
 
 torch.set_num_threads(1)
@@ -786,7 +787,7 @@ def main():
             report(f"FAIL {case} {rank()}\n{traceback.format_exc()}")
             break
     assert not any(m == "horovod" or m.startswith("horovod.") for m in sys.modules)
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -61,9 +61,8 @@ class World:
             import horovod.torch as hvd
             hvd.shutdown()
         else:
-            import torch.distributed as dist
-            dist.barrier()
-            dist.destroy_process_group()
+            from hvd_acp.comm import leave_process_group
+            leave_process_group()
 
 
 def train(world: World, key: str) -> dict:
