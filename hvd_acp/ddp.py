@@ -25,6 +25,7 @@ from typing import Dict, Iterable, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.autograd import Variable
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .compression import Phase
@@ -56,9 +57,12 @@ class ACPState:
 
     Step-ahead error feedback (on by default) needs the DDP model's torch
     optimizer: pass ``optimizer=``, or call :meth:`attach_optimizer` before
-    the first backward pass. The parameters hold the true weights between
-    ``optimizer.step()`` and the next training forward pass
-    (:meth:`true_weights` gives them in between). With step-ahead on and no
+    the first backward pass. The parameters hold the true weights
+    everywhere but between a training forward pass and the end of its
+    backward pass (:meth:`true_weights` gives them in between), a step
+    skipped by a ``GradScaler`` included; the user's rescaling of the
+    averaged gradients before ``optimizer.step()`` (``GradScaler.unscale_``,
+    clipping) is measured at the step and applied to the shift. With step-ahead on and no
     optimizer at the first backward pass every rank raises ``RuntimeError``:
     without it the method diverges at large learning rates (38% instead of
     97% on the digits recipe at 8 ranks). ``step_ahead=0`` runs the
@@ -287,6 +291,8 @@ class ACPState:
         self._buckets.begin(bucket)
         if not self._started:
             self._agree(bucket.buffer().device)
+        if bucket.index() == 0 and self._step_ahead is not None:
+            _at_end_of_backward(self._step_ahead.after_backward)
         names = [self._name_of(p) for p in bucket.parameters()]
         if bucket.is_last() and not self._described:
             self.compression.check_loaded()
@@ -294,6 +300,16 @@ class ACPState:
             logger.info("hvd_acp: %s", self.compression.describe(self.settings.fp16_wire))
         return self._buckets.reduce(bucket, self.compression, names,
                                     fp16_wire=self.settings.fp16_wire)
+
+
+def _at_end_of_backward(callback) -> None:
+    """Run ``callback`` once the backward pass in progress is over (autograd's
+    final callbacks, as DDP's own reducer uses them). A hook called outside
+    a backward pass (there is none) leaves it to the optimizer's step."""
+    try:
+        Variable._execution_engine.queue_callback(callback)
+    except RuntimeError:
+        pass
 
 
 def acp_hook(state: ACPState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -74,6 +74,8 @@ class BucketReducer:
         of an iteration moves ``state`` to the next step. With ``fp16_wire``
         the payload travels as float16 (a copy, averaged back into it)."""
         buffer, grads, last = bucket.buffer(), bucket.gradients(), bucket.is_last()
+        if bucket.index() == 0:
+            state.begin_step()
         phase, iteration, probing = state.phase, state.step_count, state.probing
 
         started = time.perf_counter()

@@ -334,6 +334,9 @@ class DistributedOptimizer(LocalStep):
         """
         self._reducer.synchronize()
         self._synchronized = True
+        # Backward is over: the true weights back, whether or not the user
+        # steps (a GradScaler skips the step after an overflow).
+        self._step_ahead.after_backward()
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -368,12 +371,12 @@ class DistributedOptimizer(LocalStep):
             else:
                 self.synchronize()
         self._synchronized = False
-        # The update applies to the true weights; the next gradient is taken
-        # ahead of them again (see hvd_acp.stepahead).
-        self._step_ahead.restore()
-        unit = self._reducer.applied.scale()
+        # The update applies to the true weights, with the user's rescaling of
+        # the written gradients measured; the next gradient is taken ahead of
+        # them again (see hvd_acp.stepahead).
+        self._step_ahead.before_update()
         result = self._optimizer.step()
-        self._step_ahead.after_step(unit)
+        self._step_ahead.after_step()
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -58,7 +58,6 @@ class PowerSGDReducer(ACPReducer):
         if rnd.phase is Phase.DENSE:
             super()._complete(rnd)
             return
-        self.applied.clear()
         for b_index in range(len(rnd.plan.buckets)):
             self.comm.synchronize(rnd.handles[b_index])
         started = time.perf_counter()

@@ -35,7 +35,6 @@ from .fusion import plan_buckets
 from .rounds import BufferCache, GradientHooks, Plan, Round
 from .settings import Settings
 from .state import CompressionState, PendingResidual
-from .stepahead import AppliedScale
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +60,6 @@ class ACPReducer:
     Attributes:
         state: the :class:`~hvd_acp.state.CompressionState`, keyed by name.
         compression_seconds: seconds of compression maths since construction.
-        applied: what :meth:`synchronize` wrote (:class:`~hvd_acp.stepahead.AppliedScale`).
         included: False on a rank outside the communicator's process set:
             there, as with Horovod, nothing is hooked or communicated.
     """
@@ -83,7 +81,6 @@ class ACPReducer:
         self.name_prefix = name_prefix
         self.compression_seconds = 0.0
         self.recorder = Recorder() if diagnostics else None
-        self.applied = AppliedScale()
         self.included = communicator.included()
         self.device = next((p.device for p in self.params.values()), torch.device("cpu"))
         self.state = CompressionState(**settings.compression_kwargs())
@@ -173,6 +170,7 @@ class ACPReducer:
                 first(self)
             self.register_hooks()
             self._prepare_bases()
+            self.state.begin_step()
             phase = self.phase
             active = tuple(n for n, p in self.params.items() if p.requires_grad)
             self._round = Round(phase, self._plan(phase, active))
@@ -270,7 +268,6 @@ class ACPReducer:
     def _complete(self, rnd: Round) -> None:
         """Wait for each buffer in launch order; write its gradients while the
         later ones (the first layers') are still on the wire."""
-        self.applied.clear()
         for b_index in range(len(rnd.plan.buckets)):
             self.comm.synchronize(rnd.handles[b_index])
             started = time.perf_counter()
@@ -283,16 +280,9 @@ class ACPReducer:
         :meth:`.CompressionState.decode_`); returns the non-finite names."""
         members = rnd.plan.members[b_index]
         grads = [None if name in rnd.sparse else self._grad(name) for name, _ in members]
-        bad = self.state.decode_(rnd.phase, rnd.plan.buffers[b_index], members, grads, bases,
-                                 bad=bad, reconstruct=reconstruct,
-                                 record=self.recorder and self.recorder.current)
-        if reconstruct and rnd.phase is not Phase.DENSE:
-            tensors = self.state.tensors
-            for (name, _), grad in zip(members, grads):
-                if grad is not None and name in tensors:
-                    self.applied.wrote(self.params[name], None if name in bad
-                                       else tensors[name].committed(rnd.phase))
-        return bad
+        return self.state.decode_(rnd.phase, rnd.plan.buffers[b_index], members, grads, bases,
+                                  bad=bad, reconstruct=reconstruct,
+                                  record=self.recorder and self.recorder.current)
 
     def _grad(self, name: str) -> Tensor:
         """``p.grad`` of ``name``, made (contiguous) if it has none."""

@@ -55,6 +55,7 @@ from .compression import (Phase, compress_, compress_both_, compress_columns_, c
                           local_residual_columns_, orthonormal_copies, orthonormalize_,
                           phase_of, reconstruct_, reconstruct_both_)
 from .fusion import TensorLayout, make_layouts, rank_limit
+from .rescaling import GradientRescaling
 
 logger = logging.getLogger(__name__)
 
@@ -348,6 +349,9 @@ class CompressionState:
         tensors: name -> :class:`CompressedTensor` of the compressed ones.
         nonfinite_steps: steps whose averaged payload held inf or NaN (see
             :meth:`decode_`).
+        rescaling: what the user did to the gradients :meth:`decode_` wrote
+            before the update (:class:`~hvd_acp.rescaling.GradientRescaling`;
+            its ``unit`` puts a residual in the optimizer's units).
 
     A front end fills each fused buffer's slots with :meth:`encode_`,
     launches the buffer's all-reduce, finishes the residual it was handed
@@ -381,6 +385,11 @@ class CompressionState:
         self._last_nonfinite: Optional[int] = None
         #: DDP runs each bucket's decode on a communication thread.
         self._lock = threading.Lock()
+        self.rescaling = GradientRescaling()
+
+    def begin_step(self) -> None:
+        """A front end starts writing a step's payloads (its first slot or bucket)."""
+        self.rescaling.clear()
 
     # --------------------------------------------------------------- layout
     def add(self, name: str, shape: Sequence[int], dtype: torch.dtype,
@@ -512,6 +521,8 @@ class CompressionState:
                 tensor.decode_(phase, averaged,
                                tensor.reused(phase) if bases is None else bases[name], grad,
                                commit=name not in bad, record=record)
+                self.rescaling.wrote(name, grad,
+                                     None if name in bad else tensor.committed(phase))
             else:
                 tensor.commit_(phase, averaged)
         if found:
@@ -708,6 +719,7 @@ class CompressionState:
             "ranks": self.ranks(),
             "world_size": world_size,
             "rank": rank,
+            "grad_unit": self.rescaling.unit,
             "params": params,
         }
 
@@ -751,6 +763,8 @@ class CompressionState:
             for name, entry in saved.items() if name not in self.layouts}
         self._pending_keep_error = keep_error
         self.step_count = int(state["step_count"])
+        # The residuals' units when saved (a checkpoint of an older version: 1).
+        self.rescaling.unit = float(state.get("grad_unit", 1.0))
 
     def check_state_dict(self, state: dict, complete: bool = True) -> None:
         """Raise ``ValueError`` unless :meth:`load_state_dict` can load ``state``."""

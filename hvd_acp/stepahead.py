@@ -12,9 +12,14 @@ the learning rate and momentum: :func:`eventual_step`; see
 :func:`.compression.step_ahead_shift`), lets the gradient see what the owed
 residual will do, which removes the late feedback at no communication cost.
 
-What a user sees: between ``optimizer.step()`` and the next forward pass
-the parameters hold the true weights, identical on every rank, so
-evaluation, checkpoints and broadcasts are unchanged.
+What a user sees: the parameters hold the true weights, identical on every
+rank, everywhere but between a training forward pass and the end of its
+backward pass, so evaluation, checkpoints and broadcasts are unchanged, and
+a step the user skips (``GradScaler`` after an overflow) leaves the true
+weights. The residuals are in the units of the gradients the front end
+wrote; the user's rescaling of those before the update (``GradScaler``'s
+``1 / scale``, clipping) is measured by :mod:`.rescaling` and applied to the
+shift.
 
 Cost: the shifted weights are written into a second buffer of each
 compressed parameter (one pass: read ``w`` and ``E``, write ``w - shift``),
@@ -24,12 +29,13 @@ true weights come back bit for bit, in 3 memory passes per step instead of
 the 7 of a copy, an in-place shift and a copy back. A parameter that is a
 view into a larger storage (cuDNN's flattened RNN weights, a flat buffer of
 a sharded optimizer) keeps the copy: whatever holds that storage must see
-the shift. The shift is applied
-by a module forward pre-hook at the first forward pass, in training mode
-with gradients enabled, of a module that holds the parameters after a step, and removed at the start of the next
-``step()``, before the wrapped optimizer updates the true weights.
+the shift. The shift is applied by a module forward pre-hook at the first
+forward pass, in training mode with gradients enabled, of a module that
+holds the parameters after a step, and removed once backward has written
+the gradients (:meth:`StepAhead.after_backward`, which the front ends call)
+and again before the optimizer updates the true weights.
 :meth:`StepAhead.true_weights` gives the true weights in the window between
-a training forward and ``step()``.
+a training forward and the end of backward.
 """
 from __future__ import annotations
 
@@ -38,7 +44,7 @@ import functools
 import logging
 import numbers
 import weakref
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -48,8 +54,8 @@ from .compression import adaptive_shift_denom, step_ahead_shift
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AppliedScale", "StepAhead", "check_step_ahead", "check_step_hooks",
-           "eventual_step", "hook_optimizer_steps", "release"]
+__all__ = ["StepAhead", "check_step_ahead", "check_step_hooks", "eventual_step",
+           "hook_optimizer_steps", "release"]
 
 
 def check_step_ahead(step_ahead) -> None:
@@ -119,7 +125,11 @@ class StepAhead:
         self.step_ahead = float(step_ahead)
         #: A shift is owed before the next training forward pass.
         self.pending = False
-        self.unit = 1.0
+        #: Inside an optimizer step whose hooks call before_update / after_step
+        #: (a closure's backward passes must not arm the shift again).
+        self.stepping = False
+        # The residuals' units are read only where a shift uses them.
+        state.rescaling.enabled = bool(self.step_ahead) and included
         #: name -> (shift in a swapped-in buffer, parameter version after the
         #: shift was written), for the parameters holding shifted weights now.
         self._applied: Dict[str, Tuple[bool, int]] = {}
@@ -165,16 +175,34 @@ class StepAhead:
             self._handle.remove()
             self._handle = None
 
-    def after_step(self, unit: float = 1.0) -> None:
-        """Called once the true weights were updated: shift before the next forward.
+    @property
+    def armed(self) -> bool:
+        """Whether a shift is owed after an update (step-ahead on, something
+        compressed, this rank sending)."""
+        return bool(self.step_ahead) and bool(self.state.tensors) and self.included
 
-        Args:
-            unit: the factor the user applied to the written gradients
-                before the update (:meth:`AppliedScale.scale`: AMP's
-                ``1 / scale``), which the residuals, in written units, need too.
+    def after_backward(self) -> None:
+        """Backward has written this step's gradients: the true weights back.
+
+        The next training forward pass shifts again even if the user skips
+        the update (``GradScaler`` after an overflow), with the units last
+        measured; :meth:`after_step` does the same after an update.
         """
-        self.unit = float(unit)
-        self.pending = bool(self.step_ahead) and bool(self.state.tensors) and self.included
+        self.restore()
+        if not self.stepping:
+            self.pending = self.armed
+
+    def before_update(self) -> None:
+        """The optimizer is about to update the true weights from ``p.grad``:
+        put them back, and measure how the user rescaled the written
+        gradients (:meth:`.rescaling.GradientRescaling.measure`)."""
+        self.restore()
+        self.state.rescaling.measure(self.params)
+
+    def after_step(self) -> None:
+        """Called once the true weights were updated (or replaced by a
+        checkpoint): shift before the next forward pass."""
+        self.pending = self.armed
 
     def _groups(self) -> Dict[int, Tuple[dict, dict]]:
         found = {}
@@ -193,7 +221,9 @@ class StepAhead:
         self.pending = False
         if self._applied:
             return
-        share = self.share() / self.unit
+        # E in the optimizer's units: E * unit, where unit is the user's
+        # rescaling of the written gradients (1 / scale under a GradScaler).
+        share = self.share() / self.state.rescaling.unit
         groups = self._groups()
         for name, tensor in self.state.tensors.items():
             error, param = tensor.error, self.params[name]
@@ -303,46 +333,6 @@ class StepAhead:
                     self._applied[name] = (swapped, param._version)
 
 
-class AppliedScale:
-    """How the user rescaled the gradients a step wrote, before ``step()``.
-
-    ``GradScaler.unscale_`` multiplies them by ``1 / scale`` (clipping by its
-    own factor); the residuals are in the units of what was written, so the
-    shift needs that factor too (:meth:`StepAhead.after_step`). Each written
-    compressed gradient's norm is its averaged factor's (the basis is
-    orthonormal): nothing is read unless a gradient was changed.
-    """
-
-    def __init__(self) -> None:
-        self._factors: List[Optional[Tensor]] = []
-        self._versions: List[Tuple[Tensor, int]] = []
-
-    def clear(self) -> None:
-        self._factors, self._versions = [], []
-
-    def wrote(self, param: Tensor, factor) -> None:
-        """``param.grad`` was written with the averaged ``factor`` (a tensor,
-        or a tuple of tensors whose squared norms add up to the gradient's;
-        None for a non-finite one, which no scale explains)."""
-        self._factors.append(factor)
-        self._versions.append((param, param.grad._version))
-
-    def scale(self) -> float:
-        """1 when no written gradient changed; otherwise ``||p.grad|| / ||G||``
-        over the written ones, e.g. ``1 / scale`` after ``GradScaler.unscale_``."""
-        changed = any(p.grad is not None and p.grad._version != v for p, v in self._versions)
-        if not changed or any(f is None for f in self._factors):
-            return 1.0
-        written = sum(float(t.double().pow(2).sum()) for f in self._factors
-                      for t in (f if isinstance(f, tuple) else (f,)))
-        if written <= 0:
-            return 1.0
-        now = sum(float(p.grad.double().pow(2).sum())
-                  for p, _ in self._versions if p.grad is not None)
-        scale = (now / written) ** 0.5
-        return scale if scale == scale and scale != float("inf") else 1.0
-
-
 def check_step_hooks(optimizer) -> None:
     """Raise ``TypeError`` unless ``optimizer`` is a torch optimizer with the
     step hooks :func:`hook_optimizer_steps` registers."""
@@ -358,40 +348,45 @@ def check_step_hooks(optimizer) -> None:
 
 def hook_optimizer_steps(optimizer: torch.optim.Optimizer, step_ahead: StepAhead) -> list:
     """Around every ``optimizer.step()`` of a torch optimizer nobody wraps (the
-    DDP hook's): the update applies to the true weights, and the next
-    gradient is taken ahead of them again. Returns the hooks' handles.
+    DDP hook's): the update applies to the true weights, with the user's
+    rescaling of the gradients measured first, and the next gradient is
+    taken ahead of them again. Returns the hooks' handles.
 
     ``optimizer.step(closure)`` (PyTorch Lightning's automatic optimization,
     L-BFGS) runs the forward and backward passes inside the step: the true
-    weights come back once the closure has returned, before the update.
-    The hooks hold ``step_ahead`` weakly: they do not keep it alive.
+    weights come back and the rescaling is measured once the closure has
+    returned, before the update. The hooks hold ``step_ahead`` weakly: they
+    do not keep it alive.
     """
     ref = weakref.ref(step_ahead)
 
-    def restore_after(closure):
+    def update_after(closure):
         @functools.wraps(closure)
         def wrapped(*args, **kwargs):
             loss = closure(*args, **kwargs)
             this = ref()
             if this is not None:
-                this.restore()
+                this.before_update()
             return loss
         return wrapped
 
     def before_step(opt, args, kwargs):
         # args are step()'s own: (optimizer, closure?).
-        if len(args) > 1 and callable(args[1]):
-            return (args[0], restore_after(args[1]), *args[2:]), kwargs
-        if callable(kwargs.get("closure")):
-            return args, dict(kwargs, closure=restore_after(kwargs["closure"]))
         this = ref()
-        if this is not None:
-            this.restore()
+        if this is None:
+            return None
+        this.stepping = True
+        if len(args) > 1 and callable(args[1]):
+            return (args[0], update_after(args[1]), *args[2:]), kwargs
+        if callable(kwargs.get("closure")):
+            return args, dict(kwargs, closure=update_after(kwargs["closure"]))
+        this.before_update()
         return None
 
     def after_step(opt, args, kwargs):
         this = ref()
         if this is not None:
+            this.stepping = False
             this.after_step()
 
     return [optimizer.register_step_pre_hook(before_step),

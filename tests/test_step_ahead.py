@@ -219,11 +219,12 @@ def test_a_write_after_the_forward_pass_wins_and_warns(caplog):
     opt = _wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), step_ahead=0.5)
     _train_step(model, opt, 0)
     model(_batch(1)).pow(2).mean().backward()
-    opt.synchronize()
+    # Between backward and synchronize(), the end of the window of the shift.
     written = torch.full_like(model.fc1.weight, 0.25)
     with torch.no_grad():
         model.fc1.weight.copy_(written)
     with caplog.at_level(logging.WARNING, logger="hvd_acp.stepahead"):
+        opt.synchronize()
         with opt.skip_synchronize():
             opt.step()
     assert "fc1.weight" in caplog.text and "step-ahead" in caplog.text
