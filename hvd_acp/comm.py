@@ -111,6 +111,11 @@ class Communicator:
         """``obj`` of ``root_rank`` on every rank (a blocking collective)."""
         raise NotImplementedError
 
+    def any_rank(self, flag: bool, name: str) -> bool:
+        """Whether ``flag`` is true on any rank: a blocking collective of one
+        element, a control message not counted in :attr:`stats`."""
+        raise NotImplementedError
+
     def _count(self, *tensors: Tensor) -> None:
         """Count one operation that sends ``tensors``."""
         self.stats.allreduces += 1
@@ -179,6 +184,9 @@ class LocalCommunicator(Communicator):
 
     def broadcast_object(self, obj: Any, root_rank: int, name: str) -> Any:
         return obj
+
+    def any_rank(self, flag: bool, name: str) -> bool:
+        return bool(flag)
 
 
 @dataclasses.dataclass
@@ -318,6 +326,11 @@ class HorovodCommunicator(Communicator):
     def broadcast_object(self, obj: Any, root_rank: int, name: str) -> Any:
         return self._hvd.broadcast_object(obj, root_rank=root_rank, name=name,
                                           process_set=self.process_set)
+
+    def any_rank(self, flag: bool, name: str) -> bool:
+        total = self._hvd.allreduce(torch.tensor([1.0 if flag else 0.0]), name=name,
+                                    op=self._hvd.Sum, process_set=self.process_set)
+        return bool(total.item() > 0)
 
 
 def gather_objects(obj: Any, device: torch.device, group=None) -> List[Any]:

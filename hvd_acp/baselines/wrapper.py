@@ -12,17 +12,23 @@ Unlike S-SGD these methods average no gradient: ``synchronize()``
 communicates nothing and leaves each rank's own gradient in ``p.grad`` (so
 that clipping between ``synchronize()`` and ``step()`` clips the local
 gradient, as every worker clips its own in both papers), and all of a
-step's communication happens in ``step()``.
+step's communication happens in ``step()``. What every rank must still know
+before it steps, whether any rank's gradients overflowed (a ``GradScaler``
+then skips the step), the ranks agree on at the end of backward
+(:class:`OverflowAgreement`).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
+import weakref
 from collections import OrderedDict
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
+from torch.autograd import Variable
 
 from ..agreement import agree, describe_differences
 from ..comm import CommStats, Communicator, HorovodCommunicator
@@ -30,7 +36,7 @@ from ..horovod_broadcast import LocalStep, called_by_broadcast_optimizer_state
 from ..horovod_broadcast import pass_as_horovod_optimizer
 from ..optimizer import _named_parameters
 
-__all__ = ["BaselineOptimizer"]
+__all__ = ["BaselineOptimizer", "OverflowAgreement"]
 
 
 def _forwarded(name: str) -> property:
@@ -44,6 +50,69 @@ def weights_fingerprint(tensors: Iterable[torch.Tensor]) -> float:
     """One number that differs between ranks whose ``tensors`` differ (almost
     surely): the sum of every element, in float64, in a fixed order."""
     return float(sum(t.detach().double().sum() for t in tensors))
+
+
+class OverflowAgreement:
+    """Every rank learns of an overflow on any rank before anyone steps.
+
+    ``GradScaler`` skips ``optimizer.step()`` on a rank whose gradients hold
+    inf or NaN. The baselines communicate inside ``step()``, so a rank that
+    skipped alone would leave the others waiting in a collective it never
+    joins (the pattern of pytorch/pytorch#76282). At the end of each backward
+    pass that reaches the parameters the ranks agree, in one blocking
+    1-element all-reduce, whether any rank's gradients are non-finite; where
+    one rank's are, every rank's gradients are made NaN, so every rank's
+    scaler skips the step and backs off alike (and without a scaler every
+    replica sees the same non-finite update). Every rank must run as many
+    backward passes reaching the parameters, as with Horovod's own optimizer.
+
+    Cost per backward pass: a sum over the gradients and a 4-byte all-reduce,
+    a control message that ``comm_stats`` does not count.
+
+    Args:
+        params: the parameters whose gradients the method steps on.
+        comm: the method's communicator.
+        name: the all-reduce's name, the same on every rank.
+
+    Attributes:
+        overflows: backward passes after which some rank's gradients were
+            non-finite.
+    """
+
+    def __init__(self, params: List[torch.Tensor], comm: Communicator, name: str) -> None:
+        self._params = [p for p in params if p.requires_grad]
+        self._comm, self._name = comm, name
+        self._queued = False
+        self.overflows = 0
+        ref = weakref.ref(self)
+
+        def on_gradient(param):
+            this = ref()
+            if this is not None and not this._queued:
+                this._queued = True
+                Variable._execution_engine.queue_callback(this._agree)
+
+        self._handles = [p.register_post_accumulate_grad_hook(on_gradient)
+                         for p in self._params]
+
+    def _agree(self) -> None:
+        """At the end of backward: agree, and poison every gradient if any
+        rank's overflowed."""
+        self._queued = False
+        grads = [p.grad for p in self._params if p.grad is not None]
+        values = [g.coalesce().values() if g.is_sparse else g for g in grads]
+        total = (float(torch.stack([torch.sum(v, dtype=torch.float64) for v in values]).sum())
+                 if values else 0.0)
+        if self._comm.any_rank(not math.isfinite(total), self._name):
+            self.overflows += 1
+            for grad in values:
+                grad.fill_(float("nan"))
+
+    def remove(self) -> None:
+        """Remove the gradient hooks for good."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
 
 class BaselineOptimizer(LocalStep):
@@ -95,6 +164,12 @@ class BaselineOptimizer(LocalStep):
         self._parameter_names = {p: n for n, p in named}
         #: Optimizer steps taken (communication rounds for DeMo).
         self.step_count = 0
+        #: Agrees on overflows at the end of backward (several ranks only).
+        self.overflow = (OverflowAgreement([p for _, p in self.named_params], self._comm,
+                                           f"hvd_acp.{self.key}.overflow")
+                         if self._comm.size() > 1 else None)
+        self._finalizer = (weakref.finalize(self, self.overflow.remove)
+                           if self.overflow is not None else None)
         #: Seconds of the method's maths (transforms, selection, outer step).
         self.compression_seconds = 0.0
         self._checked = False
@@ -163,6 +238,11 @@ class BaselineOptimizer(LocalStep):
         raise NotImplementedError(
             "add_param_group() after wrapping is not supported: add the group to the "
             f"torch optimizer before creating {type(self).__name__}")
+
+    def close(self) -> None:
+        """Remove the gradient hooks (the overflow agreement) for good."""
+        if self._finalizer is not None:
+            self._finalizer()
 
     def synchronize(self) -> None:
         """Horovod's ``synchronize()``: nothing to wait for. ``p.grad`` holds
