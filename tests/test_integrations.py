@@ -90,6 +90,21 @@ def transformers_results(tmp_path_factory):
     return results(directory, "transformers", out)
 
 
+def launch_amp(framework: str, directory: Path) -> str:
+    """``tests/workers/integration_amp.py`` under the framework's own launcher."""
+    worker = [str(WORKERS / "integration_amp.py"), framework, "--dir", str(directory)]
+    if framework == "lightning":
+        return run_with_timeout([sys.executable, *worker], 300, "integration_amp.py lightning")
+    if framework == "accelerate":
+        launcher = Path(sys.executable).with_name("accelerate")
+        return run_with_timeout(
+            [str(launcher), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+             "1", "--main_process_port", "0", "--mixed_precision", "no", "--dynamo_backend",
+             "no", *worker], 300, "accelerate launch integration_amp.py",
+            env=hf_env(directory))
+    return torchrun(*worker, np=2, timeout=300, env=hf_env(directory))
+
+
 FRAMEWORKS = [pytest.param("lightning", marks=pytest.mark.lightning),
               pytest.param("accelerate", marks=pytest.mark.accelerate),
               pytest.param("transformers", marks=pytest.mark.transformers)]
@@ -149,6 +164,31 @@ def test_resume_continues_step_count_and_factors(ranks, framework):
             assert result["rank_file"]
             assert resumed["start_residual"] == result["saved_residual"] > 0, resumed
             assert resumed["same_as_uninterrupted"], resumed
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_each_frameworks_fp16_switch_trains_at_the_defaults(framework, tmp_path):
+    """The framework's own fp16 mixed precision (its GradScaler from 65536,
+    autocast, its clipping after unscale_), ACP-SGD at default settings with
+    SGD and momentum: it trains as the run without mixed precision does, the
+    shift in the scaler's units (before the fix: NaN, the scale driven to 0)."""
+    pytest.importorskip({"lightning": "lightning", "accelerate": "accelerate",
+                         "transformers": "transformers"}[framework])
+    output = launch_amp(framework, tmp_path)
+    for rank in (0, 1):
+        path = tmp_path / f"result.{framework}-amp.{rank}.json"
+        if not path.is_file():
+            pytest.fail(f"{framework}: rank {rank} wrote no results\n{output[-8000:]}")
+        result = json.loads(path.read_text())
+        plain, amp = result["plain"], result["amp"]
+        for run in (plain, amp):
+            assert run["finite"] and run["identical"] and run["steps"] == STEPS, run
+            assert run["final"]["loss"] < LOSS_FALLS_TO * run["initial"]["loss"], run
+        assert amp["final"]["accuracy"] >= plain["final"]["accuracy"] - ACCURACY_GAP, result
+        assert amp["final"]["loss"] <= plain["final"]["loss"] + LOSS_GAP, result
+        # The scaler was not driven down, and the shift read its units.
+        assert amp["scale"] >= 2.0 ** 8, amp
+        assert plain["unit"] == 1.0 and amp["unit"] * amp["scale"] == 1.0, result
 
 
 # --------------------------------------------------------------- one process
