@@ -45,6 +45,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="acp/powersgd: rank 0 writes the per-step health of the error "
                              "feedback (hvd_acp.diagnostics) and the training loss to PATH")
     parser.add_argument("--weight-decay", type=float, default=1e-4, help="SGD weight decay")
+    parser.add_argument("--amp", action="store_true",
+                        help="mixed precision's gradient scaling: torch.amp.GradScaler with "
+                             "its default dynamic scale, the pattern of Horovod's examples "
+                             "(autocast to float16 where the model is on a GPU)")
     return parser.parse_args(argv)
 
 
@@ -93,6 +97,8 @@ def main(argv=None) -> dict:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     meter = ByteMeter(optimizer, model)
+    device = next(model.parameters()).device.type
+    scaler = torch.amp.GradScaler(device) if args.amp else None
 
     if is_root:
         print(f"digits: {len(train_set)} train / {len(test_set)} test images, "
@@ -112,9 +118,19 @@ def main(argv=None) -> dict:
                    disable=not is_root or args.no_progress)
         for images, labels in bar:
             optimizer.zero_grad()
-            loss = F.cross_entropy(model(images), labels)
-            loss.backward()
-            optimizer.step()
+            if scaler is None:
+                loss = F.cross_entropy(model(images), labels)
+                loss.backward()
+                optimizer.step()
+            else:
+                with torch.autocast(device, dtype=torch.float16, enabled=device == "cuda"):
+                    loss = F.cross_entropy(model(images), labels)
+                scaler.scale(loss).backward()
+                optimizer.synchronize()
+                scaler.unscale_(optimizer)
+                with optimizer.skip_synchronize():
+                    scaler.step(optimizer)
+                scaler.update()
             steps += 1
             step_losses.append(loss.item())
             loss_sum += loss.item() * len(labels)
@@ -147,7 +163,8 @@ def main(argv=None) -> dict:
                 "test_accuracy_per_epoch": history["test_accuracy"],
                 "loss_per_epoch": history["test_loss"]},
         config={"effective_lr": lr, "train_size": len(train_set), "test_size": len(test_set),
-                **settings_of(optimizer)},
+                **settings_of(optimizer),
+                **({"amp_final_scale": scaler.get_scale()} if scaler is not None else {})},
         final_line=f"final test accuracy {100 * history['test_accuracy'][-1]:.2f}%, "
                    f"wall time {wall_s:.1f} s")
 

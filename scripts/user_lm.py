@@ -91,6 +91,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--clip", type=float, default=1.0)
+    parser.add_argument("--amp", action="store_true",
+                        help="train under torch.amp.GradScaler (its default dynamic scale, "
+                             "from 65536), unscaling before the clip; on CPU without "
+                             "autocast, so the scaler's factor is the only difference")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--corpus-mb", type=float, default=8.0)
     parser.add_argument("--summary", default=None)
@@ -222,17 +226,24 @@ def main(argv=None) -> dict:
     generator = torch.Generator().manual_seed(1000 * args.seed + hvd.rank())
     high = len(train) - args.seq_len - 1
     val_starts = torch.linspace(0, len(val) - args.seq_len - 2, 256).long()
+    # Disabled, the scaler passes everything through: the same loop either way.
+    scaler = torch.amp.GradScaler("cpu", enabled=args.amp)
+    skipped = 0
     started = time.perf_counter()
     for step in range(args.steps):
         x, y = batch(train, torch.randint(0, high, (args.batch_size,), generator=generator),
                      args.seq_len)
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
-        loss.backward()
+        scaler.scale(loss).backward()
         optimizer.synchronize()
+        scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        scale = scaler.get_scale()
         with optimizer.skip_synchronize():
-            optimizer.step()
+            scaler.step(optimizer)
+        scaler.update()
+        skipped += int(scaler.get_scale() < scale)
         scheduler.step()
         if not math.isfinite(loss.item()):
             raise FloatingPointError(f"loss {loss.item()} at step {step}")
@@ -260,6 +271,8 @@ def main(argv=None) -> dict:
                "steps": args.steps, "val_loss": val_loss, "bytes_per_step": sent / args.steps,
                "bytes_received_per_step": received / args.steps,
                "ssgd_bytes_per_step": grad_bytes, "wall_s": wall}
+    if args.amp:
+        summary["amp"] = {"skipped_steps": skipped, "final_scale": scaler.get_scale()}
     if args.optimizer in ("diloco", "demo"):
         summary["method_settings"] = dataclasses.asdict(optimizer.settings)
     elif args.optimizer in ("acp", "powersgd"):
