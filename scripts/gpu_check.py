@@ -23,6 +23,10 @@ The checks (their code is in ``scripts/gpu_check_cases.py``):
     synthetic ResNet-50 step under ``horovodrun``.
 ``ddp-hook``
     ``hvd_acp.ddp.acp_hook`` under ``torchrun``: replicas and full rank.
+``amp-horovod``, ``amp-ddp``
+    ``torch.amp.GradScaler`` (and fp16 autocast on a GPU) in every front end,
+    step-ahead on: a constant scale trains the unscaled run, an overflow on
+    one rank is skipped on every rank.
 ``ab-horovod``, ``ab-ddp``
     a short A/B table of ``python -m hvd_acp.ab`` under each launcher.
 """
@@ -49,7 +53,7 @@ PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 
 #: Seconds each check may take at most (less when the total budget runs out).
 TIMEOUTS = {"maths": 120, "replicas": 180, "swap-resnet50": 240, "ddp-hook": 180,
-            "ab-horovod": 240, "ab-ddp": 240}
+            "amp-horovod": 180, "amp-ddp": 180, "ab-horovod": 240, "ab-ddp": 240}
 #: The methods of each A/B table, those the installed hvd_acp.methods has.
 AB_METHODS = {"horovod": ("ssgd", "ssgd-fp16", "powersgd", "acp"),
               "torchrun": ("ddp", "ddp-fp16", "powersgd-ddp", "acp-ddp")}
@@ -232,6 +236,17 @@ def plan(facts: dict, device: str, np: int, quick: bool, out: Path, python: str,
                         None if ddp_skip else
                         torchrun + [str(CASES), "ddp", "--device", device, "--backend",
                                     backend] + quick_flag, ddp_skip))
+
+    checks.append(Check("amp-horovod", "horovodrun: GradScaler (fp16 autocast on a GPU), "
+                                       "DistributedOptimizer and PowerSGDOptimizer",
+                        None if horovod_skip else
+                        launch + case + ["amp", "--device", device, "--launcher", "horovod"]
+                        + comm_args + quick_flag, horovod_skip))
+    checks.append(Check("amp-ddp", f"torchrun ({backend}): GradScaler (fp16 autocast on a "
+                                   "GPU), the DDP hook",
+                        None if ddp_skip else
+                        torchrun + [str(CASES), "amp", "--device", device, "--launcher",
+                                    "torchrun", "--backend", backend] + quick_flag, ddp_skip))
 
     # The A/B tool: one GPU per rank, the same backends as a user's launch.
     model = "small" if device == "cpu" or quick else "resnet50"

@@ -540,8 +540,123 @@ def case_ddp(args) -> None:
     leave_process_group()
 
 
+# ------------------------------------------- 5. mixed precision, every front end
+def amp_front_ends(args):
+    """(world, device, [(label, build(model) -> (optimizer, wrapper, state))]) for
+    ``--launcher``: Horovod's two optimizers, or the DDP hook."""
+    if args.launcher == "horovod":
+        hvd, device = horovod_world(args)
+
+        def horovod(cls):
+            def build(model):
+                broadcast_parameters(hvd, model, args)
+                opt = cls(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                          named_parameters=model.named_parameters(), matrix_rank=2,
+                          **communicator_kwargs(args))
+                return opt, model, opt.reducer.state
+            return build
+        world = (hvd.rank(), hvd.size(), lambda named, what: hvd_agree(hvd, named, what),
+                 hvd.shutdown)
+        return world, device, [("DistributedOptimizer", horovod(hvd_acp.DistributedOptimizer)),
+                               ("PowerSGDOptimizer", horovod(hvd_acp.PowerSGDOptimizer))]
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hvd_acp.comm import leave_process_group
+    from hvd_acp.ddp import ACPState, acp_hook
+
+    device = pick_device(args.device, int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(args.backend)
+    size = dist.get_world_size()
+
+    def ddp(model):
+        wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                      bucket_cap_mb=0.01)
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.05, momentum=0.9)
+        state = ACPState(matrix_rank=2, optimizer=opt, named_parameters=model.named_parameters())
+        wrapped.register_comm_hook(state, acp_hook)
+        return opt, wrapped, state.compression
+
+    def gathered(named, what):
+        out = [None] * size
+        dist.all_gather_object(out, digest(named))
+        agree(out, what)
+    return (dist.get_rank(), size, gathered, leave_process_group), device, [("DDP hook", ddp)]
+
+
+def amp_train(build, device, rank, steps, scaler, autocast, overflow_at=None):
+    """``steps`` steps of the conv net under ``scaler`` (None: none), each
+    front end's pattern; returns (model, state, steps the scaler skipped)."""
+    model = build_conv(device)
+    opt, wrapped, state = build(model)
+    horovod = hasattr(opt, "synchronize")
+    skipped = []
+    for step in range(steps):
+        opt.zero_grad()
+        with torch.autocast(device.type, dtype=torch.float16, enabled=autocast):
+            loss = conv_loss(rank, step, device)(wrapped)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+            continue
+        scaled = scaler.scale(loss) * (float("inf") if step == overflow_at and rank == 1 else 1)
+        scaled.backward()
+        scale = scaler.get_scale()
+        if horovod:
+            opt.synchronize()
+            scaler.unscale_(opt)
+            with opt.skip_synchronize():
+                scaler.step(opt)
+        else:
+            scaler.step(opt)
+        scaler.update()
+        if scaler.get_scale() < scale:
+            skipped.append(step)
+    if horovod:
+        opt.close()
+    return model, state, skipped
+
+
+def case_amp(args) -> None:
+    """torch.amp.GradScaler, with fp16 autocast on a GPU, in every front end of
+    the launcher, step-ahead on: (a) a constant power-of-two scale without
+    autocast trains the unscaled run (bit for bit on the CPU, to float32
+    rounding on a GPU); (b) the default dynamic scale, autocast on a GPU, an
+    overflow on rank 1: every rank skips that step, replicas bit-identical."""
+    (rank, size, agree_on, leave), device, front_ends = amp_front_ends(args)
+    steps = 6 if args.quick else 12
+    autocast = device.type == "cuda"
+    lines = []
+    for label, build in front_ends:
+        plain, _, _ = amp_train(build, device, rank, steps, None, False)
+        constant = torch.amp.GradScaler(device.type, init_scale=2.0 ** 12,
+                                        growth_interval=10 ** 6)
+        scaled, state, _ = amp_train(build, device, rank, steps, constant, False)
+        error = max(relative_error(p, q) for p, q in zip(scaled.parameters(),
+                                                           plain.parameters()))
+        limit = 0.0 if device.type == "cpu" else 1e-4
+        require(error <= limit, f"{label}: a constant scale moved the weights by {error:.1e} "
+                                f"(relative) from the unscaled run's, over {limit:g}")
+        require(state.rescaling.unit == 2.0 ** -12,
+                f"{label}: step-ahead's unit is {state.rescaling.unit}, not 1 / 4096")
+        dynamic = torch.amp.GradScaler(device.type)
+        model, state, skipped = amp_train(build, device, rank, steps, dynamic, autocast,
+                                          overflow_at=2)
+        require(2 in skipped, f"{label}: the overflow at step 2 was not skipped ({skipped})")
+        for name, p in model.named_parameters():
+            require(bool(torch.isfinite(p).all()), f"{label}: {name} is not finite")
+        agree_on(parameters_of(model), f"amp.{label.replace(' ', '_')}")
+        lines.append(f"{label}: constant scale {error:.1e} from unscaled, dynamic scale "
+                     f"skipped steps {skipped}, final scale {dynamic.get_scale():g}")
+    if rank == 0:
+        print(f"DETAIL {size} ranks on {device.type}, GradScaler"
+              f"{' and fp16 autocast' if autocast else ''}, step-ahead on: "
+              + "; ".join(lines) + "; replicas bit-identical", flush=True)
+    leave()
+
+
 CASES: Dict[str, Callable] = {"maths": case_maths, "replicas": case_replicas,
-                              "swap": case_swap, "ddp": case_ddp}
+                              "swap": case_swap, "ddp": case_ddp, "amp": case_amp}
 
 
 def main(argv=None) -> None:
@@ -551,6 +666,8 @@ def main(argv=None) -> None:
     p.add_argument("--comm", choices=("direct", "host"), default="direct",
                    help="Horovod: CUDA tensors to Horovod as they are, or through host copies")
     p.add_argument("--backend", default="gloo", help="torch.distributed backend (ddp)")
+    p.add_argument("--launcher", choices=("horovod", "torchrun"), default="horovod",
+                   help="amp: the Horovod front ends, or the DDP hook")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--image-size", type=int, default=64)

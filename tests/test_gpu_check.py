@@ -18,7 +18,8 @@ spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "g
 gpu_check = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gpu_check)
 
-CHECKS = ["maths", "replicas", "swap-resnet50", "ddp-hook", "ab-horovod", "ab-ddp"]
+CHECKS = ["maths", "replicas", "swap-resnet50", "ddp-hook", "amp-horovod", "amp-ddp",
+          "ab-horovod", "ab-ddp"]
 AB_METHODS = {"ssgd": "horovod", "ssgd-fp16": "horovod", "powersgd": "horovod",
               "acp": "horovod", "ddp": "torchrun", "ddp-fp16": "torchrun",
               "powersgd-ddp": "torchrun", "acp-ddp": "torchrun"}
@@ -147,7 +148,7 @@ def test_gpu_check_device_cpu_is_green(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     results = {r["name"]: r for r in summary["results"]}
     assert list(results) == CHECKS
-    for name in ("maths", "replicas", "swap-resnet50", "ddp-hook"):
+    for name in ("maths", "replicas", "swap-resnet50", "ddp-hook", "amp-horovod", "amp-ddp"):
         assert results[name]["status"] == "PASS", results[name]
     for name in ("ab-horovod", "ab-ddp"):
         # The A/B tool is optional: a table, or a skip that says it is missing.
@@ -159,6 +160,10 @@ def test_gpu_check_device_cpu_is_green(tmp_path):
             assert (tmp_path / name / "ab.md").exists()
     assert "replicas bit-identical" in results["replicas"]["detail"]
     assert "full rank float64" in results["ddp-hook"]["detail"]
+    for name, front_ends in (("amp-horovod", ("DistributedOptimizer", "PowerSGDOptimizer")),
+                             ("amp-ddp", ("DDP hook",))):
+        for label in front_ends:
+            assert f"{label}: constant scale 0.0e+00 from unscaled" in results[name]["detail"]
     assert "== hvd_acp GPU check: --device cpu, 2 ranks;" in out
     assert "0 failed" in out and out.rstrip().splitlines()[-2].endswith(": OK")
     assert "the CUDA path: --device cpu checks the same code on the CPU" in out
