@@ -99,6 +99,7 @@ def main(argv=None) -> dict:
     meter = ByteMeter(optimizer, model)
     device = next(model.parameters()).device.type
     scaler = torch.amp.GradScaler(device) if args.amp else None
+    skipped = 0                 # steps the scaler skipped (an overflow)
 
     if is_root:
         print(f"digits: {len(train_set)} train / {len(test_set)} test images, "
@@ -128,9 +129,11 @@ def main(argv=None) -> dict:
                 scaler.scale(loss).backward()
                 optimizer.synchronize()
                 scaler.unscale_(optimizer)
+                scale = scaler.get_scale()
                 with optimizer.skip_synchronize():
                     scaler.step(optimizer)
                 scaler.update()
+                skipped += int(scaler.get_scale() < scale)
             steps += 1
             step_losses.append(loss.item())
             loss_sum += loss.item() * len(labels)
@@ -164,7 +167,8 @@ def main(argv=None) -> dict:
                 "loss_per_epoch": history["test_loss"]},
         config={"effective_lr": lr, "train_size": len(train_set), "test_size": len(test_set),
                 **settings_of(optimizer),
-                **({"amp_final_scale": scaler.get_scale()} if scaler is not None else {})},
+                **({"amp": {"skipped_steps": skipped, "final_scale": scaler.get_scale()}}
+                   if scaler is not None else {})},
         final_line=f"final test accuracy {100 * history['test_accuracy'][-1]:.2f}%, "
                    f"wall time {wall_s:.1f} s")
 
