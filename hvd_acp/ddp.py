@@ -47,11 +47,12 @@ _AUTO_NAME = "param.{}"
 class ACPState:
     r"""Settings and state of :func:`acp_hook` for one DDP model.
 
-    ``matrix_rank``, ``min_compression_rate``, ``warmup_steps``, ``seed``
-    and ``step_ahead`` are every front end's (:class:`hvd_acp.Settings` says
-    what each does and how to tune it); ``None`` takes the library's
-    default, decided when the state is first used, with the optimizer if
-    one is attached by then. ``warmup_steps`` may be 0, unlike
+    ``matrix_rank``, ``min_compression_rate``, ``warmup_steps``, ``seed``,
+    ``step_ahead``, ``fp16_wire`` and ``both_factors`` are every front end's
+    (:class:`hvd_acp.Settings` says what each does and how to tune it),
+    given by keyword or as one ``settings=hvd_acp.Settings(...)`` (the
+    keywords given win); ``None`` takes the library's default, decided when
+    the state is first used, with the optimizer if one is attached by then. ``warmup_steps`` may be 0, unlike
     ``powerSGD_hook``'s ``start_powerSGD_iter``: state is keyed by
     parameter, so DDP's rebuild of its buckets changes nothing.
 
@@ -92,6 +93,7 @@ class ACPState:
     """
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, *,
+                 settings: Optional[Settings] = None,
                  matrix_rank=None, min_compression_rate: Optional[float] = None,
                  warmup_steps: Optional[int] = None, seed: Optional[int] = None,
                  named_parameters: Optional[Iterable[Tuple[str, Tensor]]] = None,
@@ -99,10 +101,10 @@ class ACPState:
                  step_ahead: Optional[float] = None,
                  fp16_wire: Optional[bool] = None,
                  both_factors: Optional[bool] = None) -> None:
-        self.settings = Settings(matrix_rank=matrix_rank,
-                                 min_compression_rate=min_compression_rate,
-                                 warmup_steps=warmup_steps, seed=seed, step_ahead=step_ahead,
-                                 fp16_wire=fp16_wire, both_factors=both_factors)
+        self.settings = Settings.of(settings, matrix_rank=matrix_rank,
+                                    min_compression_rate=min_compression_rate,
+                                    warmup_steps=warmup_steps, seed=seed, step_ahead=step_ahead,
+                                    fp16_wire=fp16_wire, both_factors=both_factors)
         self.process_group = process_group
         self._buckets = BucketReducer(process_group)
         self.optimizer: Optional[torch.optim.Optimizer] = None
@@ -125,7 +127,7 @@ class ACPState:
         if self._compression is None:
             # The defaults decided here, once: with the optimizer if attached.
             self.settings = self.settings.resolve(self.optimizer)
-            self._compression = CompressionState(**self.settings.compression_kwargs())
+            self._compression = CompressionState(self.settings)
             for name, param in self._params.items():
                 self._compression.add(name, param.shape, param.dtype, param.device)
         return self._compression
@@ -275,9 +277,8 @@ class ACPState:
         self._started = True
         step_count, factor_sum = self.compression.fingerprint()
         self._buckets.agree(device, dict(
-            self.compression.settings(), step_ahead=self.settings.step_ahead,
-            fp16_wire=self.settings.fp16_wire,
-            step_count=step_count, factor_sum=factor_sum, has_optimizer=self.optimizer is not None))
+            self.settings.facts(), step_count=step_count, factor_sum=factor_sum,
+            has_optimizer=self.optimizer is not None))
         if self.settings.step_ahead and self.optimizer is None:
             raise RuntimeError(
                 f"ACPState has step-ahead error feedback on (step_ahead="

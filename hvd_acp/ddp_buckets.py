@@ -17,7 +17,6 @@ from torch import Tensor
 
 from .agreement import agree, describe_differences
 from .comm import CommStats, gather_objects
-from .compression import Phase
 from .fusion import one_bucket
 from .rounds import BufferCache
 from .state import CompressionState
@@ -74,23 +73,22 @@ class BucketReducer:
         of an iteration moves ``state`` to the next step. With ``fp16_wire``
         the payload travels as float16 (a copy, averaged back into it)."""
         buffer, grads, last = bucket.buffer(), bucket.gradients(), bucket.is_last()
-        if bucket.index() == 0:
-            state.begin_step()
-        phase, iteration, probing = state.phase, state.step_count, state.probing
+        codec = state.begin_step() if bucket.index() == 0 else state.codec
+        iteration = state.step_count
 
         started = time.perf_counter()
         plan = self._buffers.get(
-            (bucket.index(), phase, tuple(names), state.layout_version, str(buffer.device)),
-            lambda: [one_bucket([state.layouts[n] for n in names], phase,
+            (bucket.index(), codec, tuple(names), state.layout_version, str(buffer.device)),
+            lambda: [one_bucket([state.layouts[n] for n in names], codec,
                                 f"bucket.{bucket.index()}")], buffer.device)
         members = plan.members[0]
-        compressed = [n for n in names if n in state.tensors] if phase is not Phase.DENSE else []
-        bases = state.orthonormal_bases(phase, compressed)
+        compressed = [n for n in names if n in state.tensors] if codec.compressed else []
+        bases = state.bases(compressed, codec)
         # Each residual right after its projection, while A is in the cache,
         # but the last one's after the launch, which it would delay.
         owed, deferred = None, compressed[-1] if compressed else None
         for (name, slot), grad in zip(members, grads):
-            owed = state.encode_(name, grad, slot, phase, basis=bases.get(name),
+            owed = state.encode_(name, grad, slot, codec, basis=bases.get(name),
                                  defer=name == deferred) or owed
         self._spent(time.perf_counter() - started)
 
@@ -108,7 +106,6 @@ class BucketReducer:
             self._spent(time.perf_counter() - started)
         if last:
             self._iteration_open = False
-            state.step_count += 1
         world_size = dist.get_world_size(self.process_group)
 
         def finish(fut: torch.futures.Future) -> Tensor:
@@ -116,9 +113,9 @@ class BucketReducer:
             averaged = fut.value()[0]
             averaged = (averaged if averaged is payload
                         else payload.copy_(averaged)).div_(world_size)
-            state.decode_(phase, averaged, members, grads, bases, step=iteration)
-            if probing and last:
-                state.end_probe(iteration)
+            state.decode_(codec, averaged, members, grads, bases, step=iteration)
+            if last:
+                state.end_step(iteration)
             self._spent(time.perf_counter() - started)
             return buffer
 

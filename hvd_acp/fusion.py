@@ -12,7 +12,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .compression import Phase, factor_rank, matrix_shape, should_compress
+from .codecs import as_codec
+from .compression import factor_rank, matrix_shape, should_compress
 
 __all__ = ["DEFAULT_FUSION_THRESHOLD_BYTES", "TensorLayout", "Slot", "Bucket", "make_layouts",
            "one_bucket", "plan_buckets", "rank_limit"]
@@ -48,18 +49,28 @@ class TensorLayout:
     def numel(self) -> int:
         return self.n * self.m
 
-    def payload_numel(self, phase: Phase) -> int:
-        """Elements this tensor puts on the wire in ``phase``."""
-        if not self.compressed or phase is Phase.DENSE:
+    def payload_numel(self, codec) -> int:
+        """Elements this tensor puts on the wire in a step of ``codec`` (a
+        :class:`~hvd_acp.codecs.Codec`, or the Phase of one of hvd_acp's)."""
+        codec = as_codec(codec)
+        if not self.compressed or not codec.compressed:
             return self.numel
-        return self.payload_shape(phase)[0] * self.r
+        return codec.payload_rows(self.n, self.m) * self.r
 
-    def payload_shape(self, phase: Phase) -> Tuple[int, ...]:
-        """Shape of this tensor's slot in a buffer of ``phase``."""
-        if not self.compressed or phase is Phase.DENSE:
+    def step_numel(self, codec) -> int:
+        """Elements this tensor puts on the wire in a whole step of ``codec``
+        (every round of a scheme of several)."""
+        codec = as_codec(codec)
+        if not self.compressed or not codec.compressed:
+            return self.numel
+        return codec.step_rows(self.n, self.m) * self.r
+
+    def payload_shape(self, codec) -> Tuple[int, ...]:
+        """Shape of this tensor's slot in a buffer of ``codec``."""
+        codec = as_codec(codec)
+        if not self.compressed or not codec.compressed:
             return self.shape
-        rows = {Phase.P: self.n, Phase.Q: self.m, Phase.PQ: self.n + self.m}[phase]
-        return (rows, self.r)
+        return codec.payload_shape(self.n, self.m, self.r)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +89,7 @@ class Bucket:
 
     Attributes:
         name: the all-reduce's name, identical on every rank and unique for
-            the parameters it holds and the phase.
+            the parameters it holds and the codec.
         dtype: dtype of the buffer.
         slots: members, in the order their gradients are expected.
         numel: total elements.
@@ -127,18 +138,18 @@ def make_layouts(named_shapes: Sequence[Tuple[str, Tuple[int, ...], torch.dtype]
     return layouts
 
 
-def plan_buckets(layouts: Sequence[TensorLayout], phase: Phase,
+def plan_buckets(layouts: Sequence[TensorLayout], codec,
                  fusion_threshold_bytes: int,
                  groups: Optional[Sequence[Sequence[str]]] = None,
                  prefix: str = "hvd_acp") -> List[Bucket]:
-    """Split tensors into fused buffers for one phase.
+    """Split tensors into fused buffers for one kind of step.
 
     Tensors are taken in backward order (reverse registration order), which
     is the order their gradients become ready, so the first buffer fills
     first and its all-reduce overlaps the rest of backward.
 
     The byte target of a buffer is ``fusion_threshold_bytes`` scaled by the
-    phase's compression ratio (payload bytes / gradient bytes over all
+    codec's compression ratio (payload bytes / gradient bytes over all
     tensors): ACP-SGD issues about as many all-reduces as S-SGD would with
     that threshold, each much smaller. A threshold of 0 puts every tensor in
     a buffer of its own. Before a tensor whose payload alone reaches the
@@ -149,7 +160,7 @@ def plan_buckets(layouts: Sequence[TensorLayout], phase: Phase,
 
     Args:
         layouts: tensors in registration (forward) order.
-        phase: P, Q or DENSE.
+        codec: the step's :class:`~hvd_acp.codecs.Codec` (or its Phase).
         fusion_threshold_bytes: S-SGD fusion threshold, in bytes.
         groups: optional explicit fusion groups (lists of names); each group
             becomes its own buffer(s), one per dtype, and the remaining
@@ -161,12 +172,13 @@ def plan_buckets(layouts: Sequence[TensorLayout], phase: Phase,
     """
     if fusion_threshold_bytes < 0:
         raise ValueError(f"fusion_threshold_bytes must be >= 0, got {fusion_threshold_bytes}")
+    codec = as_codec(codec)
     by_name = {lay.name: lay for lay in layouts}
     backward = list(reversed(layouts))
     position = {lay.name: i for i, lay in enumerate(backward)}
 
     grad_bytes = sum(lay.numel * lay.grad_dtype.itemsize for lay in layouts)
-    payload_bytes = sum(lay.payload_numel(phase) * lay.dtype.itemsize for lay in layouts)
+    payload_bytes = sum(lay.payload_numel(codec) * lay.dtype.itemsize for lay in layouts)
     ratio = payload_bytes / grad_bytes if grad_bytes else 1.0
     target = fusion_threshold_bytes * ratio
 
@@ -185,7 +197,7 @@ def plan_buckets(layouts: Sequence[TensorLayout], phase: Phase,
     for lay in backward:
         if lay.name in grouped:
             continue
-        nbytes = lay.payload_numel(phase) * lay.dtype.itemsize
+        nbytes = lay.payload_numel(codec) * lay.dtype.itemsize
         if (nbytes >= target and len(open_lists.get(lay.dtype, ())) > 1
                 and 2 * open_bytes[lay.dtype] >= target):
             # A tensor that fills a buffer by itself travels alone, and a
@@ -210,23 +222,24 @@ def plan_buckets(layouts: Sequence[TensorLayout], phase: Phase,
     for index, members in enumerate(member_lists):
         slots, offset = [], 0
         for lay in members:
-            numel = lay.payload_numel(phase)
-            slots.append(Slot(lay.name, offset, numel, lay.payload_shape(phase)))
+            numel = lay.payload_numel(codec)
+            slots.append(Slot(lay.name, offset, numel, lay.payload_shape(codec)))
             offset += numel
-        name = (f"{prefix}.{phase.value}.{index}.{members[0].name}"
+        name = (f"{prefix}.{codec.name}.{index}.{members[0].name}"
                 + (f"..{members[-1].name}" if len(members) > 1 else ""))
         buckets.append(Bucket(name=name, dtype=members[0].dtype, slots=tuple(slots),
                               numel=offset))
     return buckets
 
 
-def one_bucket(layouts: Sequence[TensorLayout], phase: Phase, name: str) -> Bucket:
+def one_bucket(layouts: Sequence[TensorLayout], codec, name: str) -> Bucket:
     """All of ``layouts`` in one buffer, in their order, in the dtype they
     promote to (a DDP bucket's payload)."""
+    codec = as_codec(codec)
     dtype = functools.reduce(torch.promote_types, (lay.dtype for lay in layouts))
     slots, offset = [], 0
     for lay in layouts:
-        numel = lay.payload_numel(phase)
-        slots.append(Slot(lay.name, offset, numel, lay.payload_shape(phase)))
+        numel = lay.payload_numel(codec)
+        slots.append(Slot(lay.name, offset, numel, lay.payload_shape(codec)))
         offset += numel
     return Bucket(name=name, dtype=dtype, slots=tuple(slots), numel=offset)

@@ -28,8 +28,7 @@ from .fusion import DEFAULT_FUSION_THRESHOLD_BYTES
 from .horovod_broadcast import (STATE_KEY, LocalStep, add_broadcast_entry,
                                 called_by_broadcast_optimizer_state, pass_as_horovod_optimizer)
 from .reducer import ACPReducer
-from .settings import Settings
-from .state import is_int
+from .settings import Settings, is_int
 from .stepahead import StepAhead
 
 logger = logging.getLogger(__name__)
@@ -69,9 +68,12 @@ class DistributedOptimizer(LocalStep):
             updates with the local gradients, as in Horovod.
 
     ACP-SGD's own settings (keyword only; ``None`` takes the library's
-    default, see :class:`hvd_acp.Settings`, which says what to tune):
+    default, see :class:`hvd_acp.Settings`, which says what to tune), by
+    name or as one ``settings=hvd_acp.Settings(...)`` (the names given win):
 
     Args:
+        settings: an :class:`hvd_acp.Settings` (its ``fp16_wire`` is
+            Horovod's ``compression`` here).
         matrix_rank: rank r of the factors P (n, r) and Q (m, r); or
             ``"auto"`` (an :class:`~hvd_acp.AutoRank`) for a rank per tensor.
         min_compression_rate: a matrix is compressed only if that sends at
@@ -113,6 +115,7 @@ class DistributedOptimizer(LocalStep):
                  gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                  groups: Optional[Sequence[Sequence[torch.Tensor]]] = None,
                  sparse_as_dense: bool = False, process_set=None, *,
+                 settings: Optional[Settings] = None,
                  matrix_rank=None, min_compression_rate: Optional[float] = None,
                  warmup_steps: Optional[int] = None, seed: Optional[int] = None,
                  step_ahead: Optional[float] = None, both_factors: Optional[bool] = None,
@@ -126,8 +129,8 @@ class DistributedOptimizer(LocalStep):
         try:
             if communicator is None:
                 HorovodCommunicator.check_arguments(op, gradient_predivide_factor, compression)
-            settings = Settings(
-                matrix_rank=matrix_rank, min_compression_rate=min_compression_rate,
+            settings = Settings.of(
+                settings, matrix_rank=matrix_rank, min_compression_rate=min_compression_rate,
                 warmup_steps=warmup_steps, seed=seed, step_ahead=step_ahead,
                 fp16_wire=HorovodCommunicator.fp16_wire_of(compression), both_factors=both_factors,
             ).resolve(optimizer, factors_per_step=self.factors_per_step)
@@ -518,7 +521,7 @@ class _Arguments:
         """What every rank must have equal: every setting that changes what is
         sent or how it is named (``overlap`` only changes when), the
         backend's wire settings, and the parameters."""
-        return dict(dataclasses.asdict(settings),
+        return dict(settings.facts(),
                     fusion_threshold_bytes=self.fusion_threshold_bytes,
                     backward_passes_per_step=self.backward_passes_per_step,
                     num_groups=self.num_groups, groups=fusion_groups,

@@ -16,46 +16,32 @@ buffers, error feedback, the optimizer contract) is ACP-SGD's machinery.
 from __future__ import annotations
 
 import time
-from typing import Optional
 
-from torch import Tensor
-
-from .compression import Phase
+from .codecs import PowerSGDFirst, PowerSGDSecond
 from .optimizer import DistributedOptimizer
 from .reducer import ACPReducer
 from .rounds import Round
-from .state import PendingResidual
 
 __all__ = ["PowerSGDOptimizer", "PowerSGDReducer"]
+
+FIRST, SECOND = PowerSGDFirst(), PowerSGDSecond()
 
 
 class PowerSGDReducer(ACPReducer):
     """Power-SGD with the reducer machinery of ACP-SGD.
 
-    The hooks fill and launch the P buffers (P factors and uncompressed
-    tensors); :meth:`synchronize` then orthonormalizes P, fills and
-    all-reduces the Q buffers, and reconstructs.
+    The hooks fill and launch the first round's buffers (P factors and
+    uncompressed tensors, :class:`~hvd_acp.codecs.PowerSGDFirst`);
+    :meth:`synchronize` then orthonormalizes P, fills and all-reduces the
+    second round's buffers (:class:`~hvd_acp.codecs.PowerSGDSecond`), and
+    reconstructs.
     """
 
-    @property
-    def phase(self) -> Phase:
-        """DENSE during warm-up (and auto-rank probes), then P: every step
-        starts with the P all-reduce."""
-        if self.step_count < self.state.warmup_steps or self.state.probing:
-            return Phase.DENSE
-        return Phase.P
-
-    def _prepare_bases(self) -> None:
-        # Power-SGD multiplies by the previous Q as it is (warm start).
-        self._bases_phase = self.phase
-
-    def _encode(self, name: str, grad: Optional[Tensor], out: Tensor, phase: Phase,
-                defer: bool) -> Optional[PendingResidual]:
-        # P_i = A Q with A = M + E; the residual waits for the second projection.
-        return self.state.encode_(name, grad, out, phase, residual=False)
+    #: Every compressed step is Power-SGD's two rounds.
+    cycle = (FIRST,)
 
     def _complete(self, rnd: Round) -> None:
-        if rnd.phase is Phase.DENSE:
+        if rnd.codec is not FIRST:
             super()._complete(rnd)
             return
         for b_index in range(len(rnd.plan.buckets)):
@@ -63,15 +49,15 @@ class PowerSGDReducer(ACPReducer):
         started = time.perf_counter()
         bad = set()
         for b_index in range(len(rnd.plan.buckets)):      # P committed, the rest written
-            bad |= self._decode(rnd, b_index, None, reconstruct=False)
+            bad |= self._decode(rnd, b_index)
         compressed = tuple(name for name in rnd.plan.views
                            if name in self.state.tensors and name not in rnd.sparse)
         if compressed:
             self.state.orthonormalize_p_(compressed)                  # Ph = orth(P)
-            second = Round(Phase.Q, self._plan(Phase.Q, compressed))
+            second = Round(SECOND, self._plan(SECOND, compressed))
             for name in compressed:
                 # Q_i = A^T Ph, E = A - Ph Q_i^T: the ACP-SGD Q step on A.
-                self.state.encode_(name, None, second.plan.views[name], Phase.Q)
+                self.state.encode_(name, None, second.plan.views[name], SECOND)
             for b_index, (bucket, buffer) in enumerate(zip(second.plan.buckets,
                                                            second.plan.buffers)):
                 second.handles[b_index] = self.comm.allreduce_async_(buffer, bucket.name)
@@ -82,7 +68,7 @@ class PowerSGDReducer(ACPReducer):
             self.compression_seconds -= time.perf_counter() - waited
             for b_index in range(len(second.plan.buckets)):
                 # G = Ph Q^T; Q is the warm start of the next step unless non-finite.
-                self._decode(second, b_index, None, bad=bad)
+                self._decode(second, b_index, bad=bad)
         self.compression_seconds += time.perf_counter() - started
 
 

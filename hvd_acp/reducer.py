@@ -28,8 +28,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from .codecs import Codec
 from .comm import Communicator
-from .compression import Phase
 from .diagnostics import Recorder
 from .fusion import plan_buckets
 from .rounds import BufferCache, GradientHooks, Plan, Round
@@ -64,6 +64,9 @@ class ACPReducer:
             there, as with Horovod, nothing is hooked or communicated.
     """
 
+    #: The codecs of the compressed steps (None: the settings' scheme).
+    cycle: Optional[Tuple[Codec, ...]] = None
+
     def __init__(self, named_parameters: Sequence[Tuple[str, Tensor]],
                  communicator: Communicator, settings: Settings, *,
                  fusion_threshold_bytes: int, backward_passes_per_step: int = 1,
@@ -83,7 +86,7 @@ class ACPReducer:
         self.recorder = Recorder() if diagnostics else None
         self.included = communicator.included()
         self.device = next((p.device for p in self.params.values()), torch.device("cpu"))
-        self.state = CompressionState(**settings.compression_kwargs())
+        self.state = CompressionState(settings, cycle=self.cycle)
         for name, param in self.params.items():
             self.state.add(name, param.shape, param.dtype, self.device)
         if self.included:
@@ -92,8 +95,6 @@ class ACPReducer:
         #: Where the state came from (for the first round's check).
         self.origin = "fresh"
         self._buffers = BufferCache()
-        self._bases: Dict[str, Tensor] = {}
-        self._bases_phase: Optional[Phase] = None
         self.hooks = GradientHooks(self.params, backward_passes_per_step, self._on_gradient)
         self._deferred: List[str] = []  # without overlap: left for synchronize()
         self._round: Optional[Round] = None
@@ -102,6 +103,7 @@ class ACPReducer:
     # ------------------------------------------------------------------ state
     step_count = property(lambda self: self.state.step_count, doc="Steps completed.")
     phase = property(lambda self: self.state.phase, doc="Phase of the current step.")
+    codec = property(lambda self: self.state.codec, doc="Codec of the current step.")
     layouts = property(lambda self: self.state.layouts, doc="name -> TensorLayout.")
     errors = property(lambda self: self.state.errors, doc="name -> this rank's residual.")
     nonfinite_steps = property(lambda self: self.state.nonfinite_steps,
@@ -154,14 +156,14 @@ class ACPReducer:
         """Whether any gradient was counted since the last synchronize()."""
         return self.hooks.pending
 
-    def _plan(self, phase: Phase, names: Tuple[str, ...]) -> Plan:
-        """The buffers of ``phase`` over ``names`` (made once per plan)."""
+    def _plan(self, codec: Codec, names: Tuple[str, ...]) -> Plan:
+        """The buffers of ``codec`` over ``names`` (made once per plan)."""
         def buckets():
             active = set(names)
             groups = [g for g in ([n for n in g if n in active] for g in self.groups or ()) if g]
-            return plan_buckets([self.layouts[n] for n in names], phase,
+            return plan_buckets([self.layouts[n] for n in names], codec,
                                 self.fusion_threshold_bytes, groups or None, self.name_prefix)
-        return self._buffers.get((phase, names, self.state.layout_version), buckets, self.device)
+        return self._buffers.get((codec, names, self.state.layout_version), buckets, self.device)
 
     def _open_round(self) -> Round:
         if self._round is None:
@@ -169,28 +171,22 @@ class ACPReducer:
                 first, self._on_first_round = self._on_first_round, None
                 first(self)
             self.register_hooks()
-            self._prepare_bases()
-            self.state.begin_step()
-            phase = self.phase
+            codec = self.state.begin_step()
             active = tuple(n for n, p in self.params.items() if p.requires_grad)
-            self._round = Round(phase, self._plan(phase, active))
+            self._round = Round(codec, self._plan(codec, active))
+            self._prepare_bases(codec)
         return self._round
 
-    def _prepare_bases(self) -> None:
-        """Orthonormalize every reused factor once per step: ``Qh = orth(Q)``
-        for a P step, ``Ph = orth(P)`` for a Q step, both for a PQ step
-        (same shapes batched)."""
-        phase = self.phase
-        if self._bases_phase is phase:
-            return
-        if phase is not Phase.DENSE:
+    def _prepare_bases(self, codec: Codec) -> None:
+        """Every compressed tensor's basis of the step, made at once (same
+        shapes batched) as the round opens."""
+        if codec.compressed:
             started = time.perf_counter()
-            self.state.orthonormal_bases(phase, self.state.tensors, out=self._bases)
+            bases = self.state.bases(self.state.tensors, codec)
             self.compression_seconds += time.perf_counter() - started
             if self.recorder is not None:
-                self.recorder.start(self.step_count, phase.value,
-                                    ((n, self._bases[n]) for n in self.state.tensors))
-        self._bases_phase = phase
+                self.recorder.start(self.step_count, codec.name,
+                                    ((n, bases[n]) for n in self.state.tensors))
 
     def _fill(self, name: str, grad: Optional[Tensor], *, sparse: bool = False) -> None:
         """Put this rank's payload for ``name`` into its slot; launch the buffer
@@ -205,12 +201,13 @@ class ACPReducer:
         out = rnd.plan.views[name]
         if sparse:
             out.zero_()
-        elif rnd.phase is Phase.DENSE or name not in self.state.tensors:
-            self.state.encode_(name, grad, out, rnd.phase)
+        elif not rnd.codec.compressed or name not in self.state.tensors:
+            self.state.encode_(name, grad, out, rnd.codec)
         else:
             started = time.perf_counter()
             # The slot that completes the buffer has its residual after the launch.
-            owed = self._encode(name, grad, out, rnd.phase, defer=rnd.completes(b_index))
+            owed = self.state.encode_(name, grad, out, rnd.codec, defer=rnd.completes(b_index),
+                                      record=self.recorder and self.recorder.current)
             if owed is not None:
                 rnd.owed[b_index] = owed
             self.compression_seconds += time.perf_counter() - started
@@ -218,12 +215,6 @@ class ACPReducer:
         rnd.ready[b_index] += 1
         if rnd.ready[b_index] == len(rnd.plan.members[b_index]):
             self._launch(rnd, b_index)
-
-    def _encode(self, name: str, grad: Optional[Tensor], out: Tensor, phase: Phase,
-                defer: bool) -> Optional[PendingResidual]:
-        """A compressed tensor's factor into its slot, on this phase's basis."""
-        return self.state.encode_(name, grad, out, phase, basis=self._bases[name], defer=defer,
-                                  record=self.recorder and self.recorder.current)
 
     def _launch(self, rnd: Round, b_index: int) -> None:
         """Start the buffer's all-reduce; then, while it is on the wire, the
@@ -248,11 +239,8 @@ class ACPReducer:
             if name not in rnd.taken:
                 self._take(name, self.params[name])
         self._complete(rnd)
-        if rnd.phase is Phase.DENSE and self.state.probing:
-            self.state.end_probe()
-            self._bases_phase = None        # the probe changed factors and ranks
-            if self.recorder is not None:
-                self.recorder.probe(self.step_count, self.state.ranks(), self.state.kept_energy)
+        if self.state.probing and self.recorder is not None:
+            self.recorder.probe(self.step_count, self.state.ranks(), self.state.kept_energy)
         for name, handle in rnd.sparse.items():
             self.params[name].grad = self.comm.synchronize_sparse(handle)
         for name, sparse_dim in rnd.densified.items():
@@ -261,8 +249,7 @@ class ACPReducer:
         self._end_round()
         if self.recorder is not None:
             self.recorder.finish()
-        self.state.step_count += 1
-        self._bases_phase = None            # this step's factors make the next bases
+        self.state.end_step()
         self.register_hooks()
 
     def _complete(self, rnd: Round) -> None:
@@ -271,18 +258,16 @@ class ACPReducer:
         for b_index in range(len(rnd.plan.buckets)):
             self.comm.synchronize(rnd.handles[b_index])
             started = time.perf_counter()
-            self._decode(rnd, b_index, self._bases)
+            self._decode(rnd, b_index)
             self.compression_seconds += time.perf_counter() - started
 
-    def _decode(self, rnd: Round, b_index: int, bases: Optional[Dict[str, Tensor]], *,
-                reconstruct: bool = True, bad=()) -> set:
+    def _decode(self, rnd: Round, b_index: int, *, bad=()) -> set:
         """Write averaged buffer ``b_index`` into ``p.grad`` (see
         :meth:`.CompressionState.decode_`); returns the non-finite names."""
         members = rnd.plan.members[b_index]
         grads = [None if name in rnd.sparse else self._grad(name) for name, _ in members]
-        return self.state.decode_(rnd.phase, rnd.plan.buffers[b_index], members, grads, bases,
-                                  bad=bad, reconstruct=reconstruct,
-                                  record=self.recorder and self.recorder.current)
+        return self.state.decode_(rnd.codec, rnd.plan.buffers[b_index], members, grads,
+                                  bad=bad, record=self.recorder and self.recorder.current)
 
     def _grad(self, name: str) -> Tensor:
         """``p.grad`` of ``name``, made (contiguous) if it has none."""
@@ -317,4 +302,3 @@ class ACPReducer:
         self.origin = (f"loaded from a checkpoint of step {self.state.step_count} saved by "
                         f"rank {state.get('rank')}")
         self.discard_round()
-        self._bases_phase = None

@@ -17,7 +17,6 @@ from typing import Callable, Dict, Hashable, List, Tuple
 import torch
 from torch import Tensor
 
-from .compression import Phase
 from .fusion import Bucket
 
 __all__ = ["Plan", "BufferCache", "GradientHooks", "Round"]
@@ -95,7 +94,7 @@ class Round:
     """Bookkeeping of one communication round (one optimizer step).
 
     Attributes:
-        phase: what the round's buffers carry.
+        codec: what the round's buffers carry (a :class:`~hvd_acp.codecs.Codec`).
         plan: its buckets, buffers and slot views.
         taken: names whose slot has been filled.
         ready: per bucket, slots filled so far.
@@ -106,8 +105,8 @@ class Round:
             (:meth:`.state.CompressedTensor.compress_` with ``defer``).
     """
 
-    def __init__(self, phase: Phase, plan: Plan) -> None:
-        self.phase = phase
+    def __init__(self, codec, plan: Plan) -> None:
+        self.codec = codec
         self.plan = plan
         self.taken: set = set()
         self.ready = [0] * len(plan.buckets)

@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import numbers
-from typing import Optional, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 
-from .autorank import AutoRank
-from .state import check_compression_settings
-from .stepahead import check_step_ahead
+from .autorank import AutoRank, parse_matrix_rank
 
-__all__ = ["Settings", "RANK_ADVICE", "optimizer_family"]
+__all__ = ["Settings", "RANK_ADVICE", "optimizer_family", "facts_of", "is_int", "is_number",
+           "check_step_ahead"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,37 @@ DEFAULTS = {
 #: two all-reduces, gets half of it: the same bytes.
 IN_TURN_SHARE = 0.5
 COMMON_DEFAULTS = {"warmup_steps": 0, "seed": 0, "step_ahead": 0.2}
+
+def is_int(value) -> bool:
+    """An integer that is not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    """A finite real number that is not a bool."""
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def check_step_ahead(step_ahead) -> None:
+    """Raise ``ValueError`` unless ``step_ahead`` is a finite number >= 0."""
+    if not is_number(step_ahead) or not step_ahead >= 0:
+        raise ValueError(f"step_ahead must be a finite number >= 0, got {step_ahead!r}")
+
+
+def facts_of(settings) -> Dict[str, Any]:
+    """A settings dataclass as what every rank must hold equal, by name: the
+    value of each field, an :class:`~hvd_acp.AutoRank` as its own fields
+    (the one dict every cross-rank check of settings compares)."""
+    return {field.name: _comparable(getattr(settings, field.name))
+            for field in dataclasses.fields(settings)}
+
+
+def _comparable(value):
+    if isinstance(value, AutoRank):
+        return {"auto": value.settings()}
+    return value
+
 
 #: torch optimizers that scale each coordinate by a running statistic of its
 #: own gradients (besides any optimizer with ``betas``, as Adam's family has).
@@ -146,15 +177,36 @@ class Settings:
     both_factors: Optional[bool] = None
 
     def __post_init__(self) -> None:
-        given = self.resolve()          # the defaults pass; a bad given value raises
-        check_compression_settings(given.matrix_rank, given.min_compression_rate,
-                                   given.warmup_steps, given.seed)
+        """Raise ``ValueError``/``TypeError`` naming the first bad setting
+        given (the defaults pass): every front end checks here, before any
+        collective."""
+        given = self.resolve()
+        parse_matrix_rank(given.matrix_rank)
+        rate = given.min_compression_rate
+        if not isinstance(rate, numbers.Real) or isinstance(rate, bool) or not rate >= 0:
+            raise ValueError(f"min_compression_rate must be a number >= 0, got {rate!r}")
+        if not is_int(given.warmup_steps) or given.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an int >= 0, got {given.warmup_steps!r}")
+        if not is_int(given.seed):
+            raise TypeError(f"seed must be an int, got {given.seed!r}")
         check_step_ahead(given.step_ahead)
         if not isinstance(given.fp16_wire, bool):
             raise TypeError(f"fp16_wire must be True, False or None, got {self.fp16_wire!r}")
         if not isinstance(given.both_factors, bool):
             raise TypeError(f"both_factors must be True, False or None, got "
                             f"{self.both_factors!r}")
+
+    @classmethod
+    def of(cls, settings: Optional["Settings"] = None, **keywords) -> "Settings":
+        """A front end's ``settings=`` beside its keywords: ``settings`` with
+        the keywords given (not None) on top, or the keywords alone."""
+        given = {key: value for key, value in keywords.items() if value is not None}
+        if settings is None:
+            return cls(**given)
+        if not isinstance(settings, Settings):
+            raise TypeError(f"settings must be an hvd_acp.Settings, got "
+                            f"{type(settings).__name__}")
+        return dataclasses.replace(settings, **given) if given else settings
 
     def resolve(self, optimizer: Optional[torch.optim.Optimizer] = None, *,
                 factors_per_step: int = 1) -> "Settings":
@@ -196,9 +248,18 @@ class Settings:
         """The settings by name, as every front end takes them."""
         return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
 
-    def compression_kwargs(self) -> dict:
-        """The keyword arguments of :class:`~hvd_acp.state.CompressionState`."""
-        return {"matrix_rank": self.matrix_rank,
-                "min_compression_rate": self.min_compression_rate,
-                "warmup_steps": self.warmup_steps, "seed": self.seed,
-                "both_factors": self.both_factors}
+    def facts(self) -> Dict[str, Any]:
+        """What every rank must hold equal (:func:`facts_of`)."""
+        return facts_of(self)
+
+    @property
+    def scheme(self) -> str:
+        """The cycle of codecs a compressed run goes through
+        (:data:`hvd_acp.codecs.SCHEMES`): ``"both"`` with ``both_factors``,
+        else ``"alternating"`` (P and Q in turn)."""
+        return "both" if self.both_factors else "alternating"
+
+    def codecs(self) -> Tuple:
+        """The codecs of :attr:`scheme`, in the order the steps use them."""
+        from .codecs import SCHEMES
+        return SCHEMES[self.scheme]

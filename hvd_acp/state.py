@@ -5,27 +5,26 @@
 hold a :class:`CompressionState` and run each parameter's step through
 :class:`CompressedTensor`. A change to the error feedback is one edit here.
 
-Per compressed parameter (a gradient viewed as an (n, m) matrix ``M``)::
+Per compressed parameter (a gradient viewed as an (n, m) matrix ``M``) and
+step, whatever the scheme::
 
-    P step                                Q step
-    A   = M + E                           A   = M + E
-    P_i = A Qh          (sent)            Q_i = A^T Ph        (sent)
-    E   = A - P_i Qh^T  (kept, local)     E   = A - Ph Q_i^T  (kept, local)
-    P   = mean_i P_i    (committed)       Q   = mean_i Q_i    (committed)
-    G   = P Qh^T        (applied)         G   = Ph Q^T        (applied)
+    A = M + E                  (error feedback: this rank's residual added)
+    payload = codec.encode_(A) (sent; the residual E = what it does not carry)
+    average = mean_i payload   (the all-reduce)
+    codec.commit_(average)     (the factors of the next step)
+    G = codec.reconstruct_     (written into p.grad)
 
-``Qh`` and ``Ph`` are the orthonormalized factors of the previous step
-(:meth:`CompressionState.orthonormal_bases`). With ``both_factors`` every
-step is a PQ step: ``P_i = A Qh`` and ``Q_i = A^T Ph`` travel together, on
-the bases ``(Ph, Qh)``, and ``G`` is the projection of the average on the
-tangent space of both (:func:`.compression.reconstruct_both_`). The maths itself is in
-:mod:`.compression`; this module owns the tensors and their lifecycle:
-initial factors, a slot's payload (:meth:`CompressionState.encode_`, the
-residual left for after the launch where a front end asks), an averaged
-buffer back into the gradients with one non-finite test per buffer
-(:meth:`CompressionState.decode_`: commit, reconstruct, or repair),
-checkpoints and the settings every rank must share. The front ends only
-register hooks, fill buffers, launch and wait.
+The codec (:mod:`hvd_acp.codecs`) is the step's kind: ACP-SGD's P and Q in
+turn (``P_i = A Qh``, ``Q_i = A^T Ph`` on the other factor of the step
+before, orthonormalized), both factors every step, Power-SGD's two rounds.
+This module owns what every codec shares: the step (its codec from the
+settings' schedule, its bases made once, :meth:`CompressionState.begin_step`
+and :meth:`CompressionState.end_step`), initial factors, a slot's payload
+(:meth:`CompressionState.encode_`, the residual left for after the launch
+where a front end asks), an averaged buffer back into the gradients with one
+non-finite test per buffer (:meth:`CompressionState.decode_`: commit,
+reconstruct, or repair) and checkpoints. The front ends only register hooks,
+fill buffers, launch and wait.
 
 Under ``matrix_rank="auto"`` (:mod:`.autorank`) the rank of each tensor
 changes at probe steps, at the same step on every rank: :meth:`CompressionState.probe_payload_`
@@ -42,52 +41,36 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import numbers
 import threading
-from typing import Dict, Iterable, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor
 
 from .autorank import AutoRank, choose_rank, energy_curve, parse_matrix_rank, spectral_factors
-from .compression import (Phase, compress_, compress_both_, compress_columns_, compute_dtype,
-                          init_factor, local_residual_, local_residual_both_,
-                          local_residual_columns_, orthonormal_copies, orthonormalize_,
-                          phase_of, reconstruct_, reconstruct_both_)
+from .codecs import DENSE, Codec, as_codec
+from .compression import compute_dtype, init_factor, orthonormalize_
 from .fusion import TensorLayout, make_layouts, rank_limit
 from .rescaling import GradientRescaling
+from .settings import Settings
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["STATE_FORMAT_VERSION", "CompressedTensor", "CompressionState", "PendingResidual",
-           "check_compression_settings", "check_state_version"]
+           "check_state_version"]
 
 #: Version of :meth:`CompressionState.state_dict`'s format: residuals in the
 #: local form ``E = A - P_i B^T``.
 STATE_FORMAT_VERSION = 2
 
 
-def is_int(value) -> bool:
-    """An integer that is not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def check_compression_settings(matrix_rank, min_compression_rate, warmup_steps, seed) -> None:
-    """Raise ``ValueError``/``TypeError`` naming the first bad setting of a
-    :class:`CompressionState`; front ends call it before any collective."""
-    parse_matrix_rank(matrix_rank)
-    if (not isinstance(min_compression_rate, numbers.Real)
-            or isinstance(min_compression_rate, bool) or not min_compression_rate >= 0):
-        raise ValueError("min_compression_rate must be a number >= 0, got "
-                         f"{min_compression_rate!r}")
-    if not is_int(warmup_steps) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
-    if not is_int(seed):
-        raise TypeError(f"seed must be an int, got {seed!r}")
-
-
 class CompressedTensor:
     """Factors and error-feedback residual of one compressed parameter.
+
+    What a step sends and makes of the average is its codec's
+    (:mod:`hvd_acp.codecs`); this object holds the tensors every codec
+    works on and does what every codec shares: ``A = M + E``, a residual
+    left for after the launch, a non-finite average's repair, checkpoints.
 
     Attributes:
         layout: the parameter's matrix view (n, m), rank r and compute dtype.
@@ -96,7 +79,7 @@ class CompressedTensor:
         error: shape (n, m), this rank's residual ``E``.
     """
 
-    __slots__ = ("layout", "p", "q", "error", "_error_shaped", "_basis_t", "_sent", "_g_terms")
+    __slots__ = ("layout", "p", "q", "error", "_error_shaped", "_basis_t", "_sent")
 
     def __init__(self, layout: TensorLayout, generator: torch.Generator,
                  device: torch.device) -> None:
@@ -108,15 +91,12 @@ class CompressedTensor:
         #: ``error`` viewed in the parameter's shape, made once: a gradient of
         #: that shape is added in without an operator call to view it.
         self._error_shaped = self.error.view(lay.shape)
-        #: (basis, basis.T): a P step's basis is used transposed twice (the
-        #: residual, the reconstruction); the view is made once.
+        #: (basis, basis.T): a basis used transposed twice (a P step's
+        #: residual and reconstruction) is transposed once.
         self._basis_t: Tuple[Optional[Tensor], Optional[Tensor]] = (None, None)
-        #: A copy of this rank's P_i for a residual computed after the launch
-        #: (the all-reduce writes the average over the slot); made once per shape.
+        #: A copy of this rank's payload for a residual computed after the
+        #: launch (the all-reduce writes the average over the slot); made once per shape.
         self._sent: Optional[Tensor] = None
-        #: (P, Q^T - Ph^T P Qh^T) of the last PQ step: ||G||^2 is the sum of
-        #: their squared norms (:meth:`committed`).
-        self._g_terms: Optional[Tuple[Tensor, Tensor]] = None
 
     def resize_(self, layout: TensorLayout, p: Tensor, q: Tensor) -> None:
         """Take a new rank (``layout.r``) with the factors ``p`` (n, r) and
@@ -126,41 +106,24 @@ class CompressedTensor:
         self.p = p.to(dtype=layout.dtype, device=self.error.device).contiguous()
         self.q = q.to(dtype=layout.dtype, device=self.error.device).contiguous()
 
-    def reused(self, phase: Phase):
-        """The factor a step of ``phase`` projects on: Q for a P step, P for a
-        Q step, the pair (P, Q) for a PQ step."""
-        if phase is Phase.PQ:
-            return self.p, self.q
-        return self.q if phase is Phase.P else self.p
+    def transpose(self, basis: Tensor) -> Tensor:
+        """``basis.T``, the view made once per basis."""
+        if self._basis_t[0] is not basis:
+            self._basis_t = (basis, basis.transpose(0, 1))
+        return self._basis_t[1]
 
-    def committed(self, phase: Phase):
-        """What has the norm of the step's ``G``: the factor a P or Q step
-        averages (its basis is orthonormal); after a PQ step the pair of
-        tensors whose squared norms add up to ``||G||^2``."""
-        if phase is Phase.PQ:
-            return self._g_terms
-        return self.p if phase is Phase.P else self.q
-
-    def compress_(self, phase: Phase, grad: Optional[Tensor], basis: Tensor, out: Tensor, *,
-                  residual: bool = True, defer: bool = False,
-                  record=None) -> Optional["PendingResidual"]:
-        """This rank's factor of ``grad`` into ``out``, with error feedback.
+    def compress_(self, codec, grad: Optional[Tensor], basis, out: Tensor, *,
+                  defer: bool = False, record=None) -> Optional["PendingResidual"]:
+        """This rank's payload of ``grad`` into ``out``, with error feedback.
 
         Args:
-            phase: P or Q.
+            codec: the step's :class:`~hvd_acp.codecs.Codec`.
             grad: this rank's gradient, any shape with ``numel == n * m`` and
                 any floating dtype; ``None`` for a zero gradient.
-            basis: shape (m, r) (``Qh``) for a P step, (n, r) (``Ph``) for a Q
-                step, the pair ``(Ph, Qh)`` for a PQ step.
-            out: shape (n, r) for P, (m, r) for Q, receives ``A @ basis``;
-                (n + m, r) for PQ, receives ``A Qh`` over ``A^T Ph``.
-            residual: keep ``E = A - out @ basis.T``. Without it ``error``
-                holds ``A`` afterwards (Power-SGD's first projection, whose
-                residual the second one computes).
+            basis: the codec's basis for this tensor (:meth:`.Codec.bases`).
+            out: the slot, of shape ``codec.payload_shape(n, m, r)``.
             defer: leave the residual for later and return what it needs, so
-                that ``out`` goes on the wire before the residual's GEMM. A P
-                step's residual then reads a copy of ``P_i`` this tensor owns
-                (an all-reduce in place writes the average over ``out``).
+                that ``out`` goes on the wire before the residual's GEMM.
             record: a :class:`~hvd_acp.diagnostics.StepRecord` to add to.
 
         Returns:
@@ -168,110 +131,59 @@ class CompressedTensor:
 
         Modifies ``error`` in place (it holds ``A`` until the residual is done).
         """
-        error = self.error
-        if grad is None:
-            matrix = None
-        elif grad.shape == self._error_shaped.shape and grad.dtype == error.dtype:
-            self._error_shaped.add_(grad)             # A = M + E, in the gradient's shape
-            matrix, grad = grad, None
-        else:
-            matrix = grad = _as_matrix(grad, self.layout)
-        if phase is Phase.P:
-            compress_(grad, error, basis, out)        # A = M + E, P_i = A Qh
-            factor = out
-        elif phase is Phase.PQ:
-            compress_both_(grad, error, basis[0], basis[1], out)   # P_i over Q_i
-            factor = out
-        else:
-            factor = compress_columns_(grad, error, basis, out)   # Q_i = A^T Ph; Q_i^T back
+        matrix = None
+        if grad is not None:
+            if grad.shape == self._error_shaped.shape and grad.dtype == self.error.dtype:
+                self._error_shaped.add_(grad)         # A = M + E, in the gradient's shape
+                matrix = grad
+            else:
+                matrix = _as_matrix(grad, self.layout)
+                self.error.add_(matrix)
+        factor = codec.encode_(self, basis, out)
         if record is not None:                         # norms: either orientation
-            record.add_compressed(matrix, error, out, None if phase is not Phase.PQ
-                                  else torch.mm(basis[0].t(), out[:self.layout.n]))
-        if not residual:
-            return None
+            record.add_compressed(matrix, self.error, out, codec.counted_twice(self, basis, out))
         if not defer:
-            self._residual_(phase, basis, factor)
+            codec.residual_(self, basis, factor)
             return None
-        if phase is not Phase.Q:
+        if codec.copies_payload:
             sent = self._sent
             if sent is None or sent.shape != out.shape or sent.dtype != out.dtype:
                 sent = self._sent = torch.empty_like(out)
             factor = sent.copy_(out)
-        return PendingResidual(self, phase, basis, factor)
+        return PendingResidual(self, codec, basis, factor)
 
-    def _residual_(self, phase: Phase, basis: Tensor, factor: Tensor) -> None:
-        """``E = A - P_i Qh^T`` (P step, ``factor`` is ``P_i`` (n, r)),
-        ``E = A - Ph Q_i^T`` (Q step, ``factor`` is ``Q_i^T`` (r, m)) or
-        ``E = (I - Ph Ph^T) A (I - Qh Qh^T)`` (PQ step, ``factor`` is the
-        payload (n + m, r): ``P_i`` over ``Q_i``)."""
-        if phase is Phase.P:
-            local_residual_(self.error, factor, basis, self._transpose(basis))
-        elif phase is Phase.PQ:
-            n = self.layout.n
-            local_residual_both_(self.error, factor[:n], factor[n:].transpose(0, 1), *basis)
-        else:
-            local_residual_columns_(self.error, basis, factor)
+    def decode_(self, codec, averaged: Tensor, basis, grad: Optional[Tensor], *,
+                commit: bool = True, record=None):
+        """The averaged payload back: its factors kept (``commit``) and ``G``
+        written into ``grad``, the parameter's gradient (any shape of ``n * m``
+        elements and any dtype; through a matrix of the compute dtype where it
+        is not one already), if the codec writes one.
 
-    def _transpose(self, basis: Tensor) -> Tensor:
-        """``basis.T``, made once per basis."""
-        if self._basis_t[0] is not basis:
-            self._basis_t = (basis, basis.transpose(0, 1))
-        return self._basis_t[1]
+        Without ``commit`` (a non-finite average, identical on every rank) the
+        factors are kept as they were and the residual restarts from zero.
 
-    def commit_(self, phase: Phase, averaged: Tensor) -> Tensor:
-        """Keep the averaged factor of ``phase`` (both: P over Q) for the next
-        step; returns it."""
-        if phase is Phase.PQ:
-            n = self.layout.n
-            self.p.copy_(averaged[:n])
-            self.q.copy_(averaged[n:])
-            return averaged
-        factor = self.p if phase is Phase.P else self.q
-        return factor.copy_(averaged)
-
-    def reconstruct_(self, phase: Phase, factor: Tensor, basis, target: Tensor) -> None:
-        """``G`` into ``target`` (n, m): ``factor @ basis.T`` (P), ``basis @
-        factor.T`` (Q), or the tangent projection of P over Q on ``basis``
-        = ``(Ph, Qh)`` (PQ, :func:`.compression.reconstruct_both_`)."""
-        if phase is Phase.P:
-            reconstruct_(target, factor, basis, self._transpose(basis))  # G = P Qh^T
-        elif phase is Phase.PQ:
-            n = self.layout.n
-            self._g_terms = reconstruct_both_(target, factor[:n], factor[n:], *basis)
-        else:
-            reconstruct_(target, basis, factor)            # G = Ph Q^T
-
-    def apply_(self, phase: Phase, averaged: Tensor, basis: Tensor, target: Tensor,
-               commit: bool = True) -> None:
-        """The averaged gradient ``G`` into ``target`` (n, m), from the averaged factor.
-
-        With ``commit`` the averaged factor becomes the one reused by the next
-        step; without (a non-finite average, identical on every rank) the
-        factor is kept and the residual restarts from zero (:meth:`repair_`).
+        Returns:
+            What has the norm of ``G`` (:meth:`.Codec.reconstruct_`), or None.
         """
-        factor = averaged if averaged.dtype == self.layout.dtype else averaged.to(self.layout.dtype)
+        lay = self.layout
+        factor = averaged if averaged.dtype == lay.dtype else averaged.to(lay.dtype)
         if commit:
-            factor = self.commit_(phase, factor)
+            factor = codec.commit_(self, factor)
         else:
             self.repair_()
-        self.reconstruct_(phase, factor, basis, target)
-
-    def decode_(self, phase: Phase, averaged: Tensor, basis: Tensor, grad: Tensor, *,
-                commit: bool = True, record=None) -> None:
-        """:meth:`apply_` into ``grad``, the parameter's gradient: any shape of
-        ``n * m`` elements and any dtype (written through a matrix of the
-        compute dtype where it is not one already)."""
-        lay = self.layout
+        if grad is None or not codec.writes_gradient:
+            return None
         direct = grad.dtype == lay.dtype and grad.is_contiguous()
         if direct:
             target = grad if grad.shape == (lay.n, lay.m) else grad.view(lay.n, lay.m)
         else:
             target = torch.empty(lay.n, lay.m, dtype=lay.dtype, device=grad.device)
-        self.apply_(phase, averaged, basis, target, commit)
+        terms = codec.reconstruct_(self, factor, basis, target)
         if record is not None:
             record.add_feedback(target, self.error)
         if not direct:
             grad.copy_(target.view(grad.shape))
+        return terms
 
     def repair_(self) -> None:
         """Restart the residual from zero (after a non-finite average)."""
@@ -297,15 +209,14 @@ class CompressedTensor:
 class PendingResidual:
     """A residual :meth:`CompressedTensor.compress_` left for later (``defer``)."""
 
-    __slots__ = ("tensor", "phase", "basis", "factor")
+    __slots__ = ("tensor", "codec", "basis", "factor")
 
-    def __init__(self, tensor: CompressedTensor, phase: Phase, basis: Tensor,
-                 factor: Tensor) -> None:
-        self.tensor, self.phase, self.basis, self.factor = tensor, phase, basis, factor
+    def __init__(self, tensor: CompressedTensor, codec, basis, factor: Tensor) -> None:
+        self.tensor, self.codec, self.basis, self.factor = tensor, codec, basis, factor
 
     def finish_(self) -> None:
-        """Compute the residual: ``E = A - P_i Qh^T`` (or ``A - Ph Q_i^T``)."""
-        self.tensor._residual_(self.phase, self.basis, self.factor)
+        """Compute the residual (:meth:`.Codec.residual_`)."""
+        self.codec.residual_(self.tensor, self.basis, self.factor)
 
 
 def _as_matrix(grad: Tensor, lay: TensorLayout) -> Tensor:
@@ -331,18 +242,21 @@ class CompressionState:
     """Settings, step count and per-parameter state of ACP-SGD for one model.
 
     Args:
-        matrix_rank: rank r of the factors; ``"auto"`` or an
+        settings: the resolved :class:`~hvd_acp.Settings` (every default
+            decided); or, instead, its settings by keyword (``matrix_rank``,
+            ``min_compression_rate``, ``warmup_steps``, ``seed``,
+            ``both_factors``; the SGD defaults for the others). What this
+            object uses of them: the rank (``"auto"`` or an
             :class:`~hvd_acp.autorank.AutoRank` for a rank per tensor chosen
-            at probe steps (see :mod:`.autorank`).
-        min_compression_rate: see :func:`.compression.should_compress`.
-        warmup_steps: steps of exact averaging before compression starts.
-        both_factors: every compressed step sends both factors (PQ) instead
-            of P and Q in turn.
-        seed: seed of the dedicated generator that draws the initial factors
-            in the order parameters are added: identical on every rank that
-            adds the same parameters, and the global RNG is untouched.
+            at probe steps, see :mod:`.autorank`), which matrices are
+            compressed, the steps of exact averaging first, the scheme (the
+            cycle of codecs, :meth:`.Settings.codecs`) and the seed of the
+            dedicated generator that draws the initial factors in the order
+            parameters are added (identical on every rank that adds the same
+            parameters; the global RNG is untouched).
 
     Attributes:
+        settings: the settings.
         step_count: steps (communication rounds) completed.
         layouts: name -> :class:`~hvd_acp.fusion.TensorLayout` of every
             parameter added, compressed or not.
@@ -353,31 +267,36 @@ class CompressionState:
             before the update (:class:`~hvd_acp.rescaling.GradientRescaling`;
             its ``unit`` puts a residual in the optimizer's units).
 
-    A front end fills each fused buffer's slots with :meth:`encode_`,
-    launches the buffer's all-reduce, finishes the residual it was handed
-    back, and once the average is in writes the gradients with
-    :meth:`decode_`.
+    The step is this object's: a front end calls :meth:`begin_step` when the
+    step's first gradient arrives (the step's codec, its bases, its records
+    start), fills each fused buffer's slots with :meth:`encode_`, launches
+    the buffer's all-reduce, finishes the residual it was handed back, writes
+    the gradients from the average with :meth:`decode_`, and calls
+    :meth:`end_step` once the step's communication is done (probes chosen,
+    step count moved on). No front end looks at which codec a step uses.
     """
 
-    def __init__(self, *, matrix_rank: int, min_compression_rate: float, warmup_steps: int,
-                 seed: int, both_factors: bool = False) -> None:
-        check_compression_settings(matrix_rank, min_compression_rate, warmup_steps, seed)
-        self.matrix_rank = matrix_rank
-        self.both_factors = bool(both_factors)
+    def __init__(self, settings: Optional[Settings] = None, *,
+                 cycle: Optional[Sequence[Codec]] = None, **keywords) -> None:
+        if settings is None:
+            settings = Settings(**keywords).resolve()
+        elif keywords:
+            raise TypeError("pass settings or keywords, not both")
+        self.settings = settings
         #: The rank of a tensor's first layout (``max_rank`` under auto) and the
         #: auto-rank policy (None for a fixed rank).
-        self._initial_rank, self.auto = parse_matrix_rank(matrix_rank)
+        self._initial_rank, self.auto = parse_matrix_rank(settings.matrix_rank)
+        #: The codecs of the compressed steps, in turn (a front end of its own
+        #: scheme, Power-SGD's, gives its own).
+        self._cycle: Tuple[Codec, ...] = tuple(cycle) if cycle else settings.codecs()
         #: Bumped whenever a tensor's rank changes (fused-buffer plans depend on it).
         self.layout_version = 0
         #: Under auto: the share of each probed gradient's energy its rank keeps.
         self.kept_energy: Dict[str, float] = {}
-        self.min_compression_rate = min_compression_rate
-        self.warmup_steps = warmup_steps
-        self.seed = seed
         self.step_count = 0
         self.layouts: Dict[str, TensorLayout] = {}
         self.tensors: Dict[str, CompressedTensor] = {}
-        self._generator = torch.Generator().manual_seed(seed)
+        self._generator = torch.Generator().manual_seed(settings.seed)
         #: Loaded entries of parameters not added yet (see load_state_dict).
         self._pending: Optional[Dict[str, dict]] = None
         self._pending_keep_error = False
@@ -386,10 +305,16 @@ class CompressionState:
         #: DDP runs each bucket's decode on a communication thread.
         self._lock = threading.Lock()
         self.rescaling = GradientRescaling()
+        #: name -> the basis of the step in progress (made once per step and tensor).
+        self._bases: Dict[str, object] = {}
+        self._bases_codec: Optional[Codec] = None
 
-    def begin_step(self) -> None:
-        """A front end starts writing a step's payloads (its first slot or bucket)."""
-        self.rescaling.clear()
+    # The settings this object reads, by their names.
+    matrix_rank = property(lambda self: self.settings.matrix_rank)
+    min_compression_rate = property(lambda self: self.settings.min_compression_rate)
+    warmup_steps = property(lambda self: self.settings.warmup_steps)
+    seed = property(lambda self: self.settings.seed)
+    both_factors = property(lambda self: self.settings.both_factors)
 
     # --------------------------------------------------------------- layout
     def add(self, name: str, shape: Sequence[int], dtype: torch.dtype,
@@ -407,25 +332,28 @@ class CompressionState:
             self._load_entry(name, self._pending.pop(name, None), self._pending_keep_error)
         return lay
 
+    # ------------------------------------------------------------- the step
     @property
-    def phase(self) -> Phase:
-        """Phase of the current step: DENSE during warm-up, then P, Q, P, ...
-        (PQ, PQ, ... with ``both_factors``).
-
-        Under auto rank a probe step is DENSE too, and P, Q, ... start again
-        after it (the first step after a probe uses the probe's Q).
-        """
-        if self.auto is None:
-            return phase_of(self.step_count, self.warmup_steps, self.both_factors)
-        if self.step_count < self.warmup_steps or self.probing:
-            return Phase.DENSE
-        # P, Q, ... counted from the step after the last probe (or from warm-up's end).
+    def codec(self) -> Codec:
+        """The codec of the current step: :data:`~hvd_acp.codecs.DENSE` during
+        warm-up and at auto-rank probes, then the scheme's codecs in turn (P,
+        Q, P, ... or PQ, PQ, ...), counted from warm-up's end or from the
+        step after the last probe (whose Q the first step after it uses)."""
         since = self.step_count - self.warmup_steps
-        return phase_of(since - self.auto.last_probe(since) - 1, 0, self.both_factors)
+        if since < 0 or self.probing:
+            return DENSE
+        if self.auto is not None:
+            since -= self.auto.last_probe(since) + 1
+        return self._cycle[since % len(self._cycle)]
+
+    @property
+    def phase(self):
+        """The current step's :class:`~hvd_acp.compression.Phase` (its codec's)."""
+        return self.codec.phase
 
     @property
     def probing(self) -> bool:
-        """Whether the current step is an auto-rank probe (DENSE, residuals
+        """Whether the current step is an auto-rank probe (exact, residuals
         sent along, ranks chosen from the average)."""
         return self.probes_at(self.step_count)
 
@@ -434,30 +362,68 @@ class CompressionState:
         since = step - self.warmup_steps
         return self.auto is not None and since >= 0 and self.auto.is_probe(since)
 
+    def begin_step(self) -> Codec:
+        """A front end starts a step (its first slot or bucket): the records of
+        the last one end; returns the step's codec."""
+        self.rescaling.clear()
+        self._bases, self._bases_codec = {}, None
+        return self.codec
+
+    def bases(self, names: Iterable[str], codec: Optional[Codec] = None) -> Dict[str, object]:
+        """name -> the basis each compressed tensor of ``names`` projects on in
+        this step (``codec``: the current step's), made once per step: those
+        not made yet together, same-shaped factors in one batched QR."""
+        codec = self.codec if codec is None else codec
+        if self._bases_codec is not codec:
+            self._bases, self._bases_codec = {}, codec
+        if not codec.compressed:
+            return self._bases
+        missing = [name for name in names if name in self.tensors and name not in self._bases]
+        if missing:
+            made = codec.bases([self.tensors[name] for name in missing])
+            self._bases.update(zip(missing, made))
+        return self._bases
+
+    def end_step(self, step: Optional[int] = None) -> None:
+        """A step's communication is done (every average written): the ranks
+        a probe chose are logged, and the step count moves on.
+
+        Args:
+            step: the step that ended (default: the current one); a front
+                end that ends it from another thread says which.
+        """
+        step = self.step_count if step is None else step
+        if self.probes_at(step):
+            self.end_probe(step)
+        with self._lock:
+            self.step_count = max(self.step_count, step + 1)
+            self._bases, self._bases_codec = {}, None
+
     def ranks(self) -> Dict[str, int]:
         """name -> rank of every compressed tensor."""
         return {name: t.layout.r for name, t in self.tensors.items()}
 
     # ------------------------------------------------------- encode, decode
-    def encode_(self, name: str, grad: Optional[Tensor], out: Tensor, phase: Phase, *,
-                basis: Optional[Tensor] = None, residual: bool = True, defer: bool = False,
-                record=None) -> Optional[PendingResidual]:
-        """This rank's payload of ``name`` in a step of ``phase`` into ``out``,
-        its slot of a fused buffer (shape ``layout.payload_shape(phase)``).
+    def encode_(self, name: str, grad: Optional[Tensor], out: Tensor, codec, *,
+                basis=None, defer: bool = False, record=None) -> Optional[PendingResidual]:
+        """This rank's payload of ``name`` in a step of ``codec`` into ``out``,
+        its slot of a fused buffer (``layout.payload_shape(codec)``).
 
-        A compressed tensor outside warm-up sends its factor
-        (:meth:`CompressedTensor.compress_`, on ``basis``, by default the
-        factor it reuses as it is); at a probe step ``M + E``
+        A compressed tensor in a compressed step sends its codec's payload
+        (:meth:`CompressedTensor.compress_`, on ``basis``, by default this
+        step's, :meth:`bases`); at a probe step ``M + E``
         (:meth:`probe_payload_`); anything else its gradient, or zeros for
         ``grad=None``.
 
         Returns:
             The residual left for after the launch (``defer``), or None.
         """
+        codec = as_codec(codec)
         tensor = self.tensors.get(name)
-        if tensor is not None and phase is not Phase.DENSE:
-            return tensor.compress_(phase, grad, tensor.reused(phase) if basis is None else basis,
-                                    out, residual=residual, defer=defer, record=record)
+        if tensor is not None and codec.compressed:
+            if basis is None:
+                basis = self.bases((name,), codec)[name]
+            return tensor.compress_(codec, grad, basis, out, defer=defer, record=record)
         if tensor is not None and self.probing:
             self.probe_payload_(name, grad, out)        # M + E, residual paid
         elif grad is None:
@@ -466,65 +432,65 @@ class CompressionState:
             out.copy_(grad if grad.shape == out.shape else grad.reshape(out.shape))
         return None
 
-    def decode_(self, phase: Phase, buffer: Tensor, members: Sequence[Tuple[str, Tensor]],
-                grads: Sequence[Optional[Tensor]],
-                bases: Optional[Dict[str, Tensor]] = None, *, bad: Iterable[str] = (),
-                reconstruct: bool = True, step: Optional[int] = None,
+    def decode_(self, codec, buffer: Tensor, members: Sequence[Tuple[str, Tensor]],
+                grads: Sequence[Optional[Tensor]], bases: Optional[Dict[str, object]] = None,
+                *, bad: Iterable[str] = (), step: Optional[int] = None,
                 record=None) -> Set[str]:
         """Write one averaged buffer into the gradients.
 
-        A compressed tensor outside warm-up commits its averaged factor and
-        writes ``G`` (P step: ``P Qh^T``, Q step: ``Ph Q^T``); anything else
+        A compressed tensor in a compressed step commits its averaged factors
+        and writes ``G`` (:meth:`CompressedTensor.decode_`); anything else
         copies its average, and at a probe step a compressed tensor then
         chooses its rank from it (:meth:`probe_`).
 
         The averaged buffer is identical on every rank, so every rank finds
         the same slots non-finite (one sum over the buffer, then slot by slot
         only if that sum is not finite) and repairs the same state: such a
-        tensor keeps its factor and restarts its residual from zero, and the
+        tensor keeps its factors and restarts its residual from zero, and the
         non-finite gradient is still written, where a ``GradScaler`` sees it
         and skips the step.
 
         Args:
-            phase: the buffer's phase.
+            codec: the buffer's codec.
             buffer: the averaged flat buffer.
             members: (name, averaged slot of ``buffer``) of its tensors.
             grads: per member the gradient to write (any shape of its
                 ``n * m`` elements, any dtype), or None to leave it alone (a
                 gradient sent apart).
-            bases: name -> the basis each compressed factor was projected
-                on; by default the factor it reuses.
-            bad: names already found non-finite in this step (Power-SGD's
-                first all-reduce).
-            reconstruct: False only commits the compressed factors (Power-SGD's
-                P, orthonormalized before its second projection).
+            bases: name -> the basis each compressed tensor was projected
+                on; by default this step's (:meth:`bases`).
+            bad: names already found non-finite in this step (an earlier
+                round of a scheme of several).
             step: the step the buffer belongs to (default: the current one).
             record: a :class:`~hvd_acp.diagnostics.StepRecord` to add to.
 
         Returns:
             The names whose average (or ``bad``'s) was not finite.
         """
+        codec = as_codec(codec)
         found = self.nonfinite(buffer, members)
         bad = found.union(bad) if bad else found
         step = self.step_count if step is None else step
-        probing = phase is Phase.DENSE and self.probes_at(step)
+        probing = not codec.compressed and self.probes_at(step)
+        if bases is None and codec.compressed:
+            bases = self.bases((name for name, _ in members), codec)
         for (name, averaged), grad in zip(members, grads):
             if grad is None:
                 continue
             tensor = self.tensors.get(name)
-            if tensor is None or phase is Phase.DENSE:
+            if tensor is None or not codec.compressed:
                 grad.copy_(averaged if averaged.shape == grad.shape
                            else averaged.view(grad.shape))
                 if probing and tensor is not None and name not in bad:
                     self.probe_(name, averaged, step)       # rank chosen from the average
-            elif reconstruct:
-                tensor.decode_(phase, averaged,
-                               tensor.reused(phase) if bases is None else bases[name], grad,
-                               commit=name not in bad, record=record)
-                self.rescaling.wrote(name, grad,
-                                     None if name in bad else tensor.committed(phase))
-            else:
-                tensor.commit_(phase, averaged)
+                continue
+            # A round that writes no gradient commits as it is: the round
+            # that writes it finds the average non-finite and repairs.
+            commit = name not in bad or not codec.writes_gradient
+            terms = tensor.decode_(codec, averaged, bases[name], grad, commit=commit,
+                                   record=record)
+            if codec.writes_gradient:
+                self.rescaling.wrote(name, grad, None if name in bad else terms)
         if found:
             with self._lock:
                 if self._last_nonfinite != step:
@@ -622,9 +588,9 @@ class CompressionState:
 
     def describe(self, fp16_wire: bool = False) -> str:
         """One line for the log: what is compressed at which ranks, and the
-        share of S-SGD's bytes a step sends (P and Q steps on average)."""
-        phases = (Phase.PQ,) if self.both_factors else (Phase.P, Phase.Q)
-        sent_bytes = sum(sum(lay.payload_numel(phase) for phase in phases) / len(phases)
+        share of S-SGD's bytes a step sends (over the scheme's cycle)."""
+        cycle = self._cycle
+        sent_bytes = sum(sum(lay.step_numel(codec) for codec in cycle) / len(cycle)
                          * (2 if fp16_wire else lay.dtype.itemsize)
                          for lay in self.layouts.values())
         dense = sum(lay.numel * lay.grad_dtype.itemsize for lay in self.layouts.values())
@@ -635,10 +601,9 @@ class CompressionState:
                 f"{', fp16 on the wire' if fp16_wire else ''})")
 
     def compressed_elements(self) -> int:
-        """Elements one rank sends in a compressed step (the larger of P and Q)."""
-        if self.both_factors:
-            return self.wire_elements(Phase.PQ)
-        return max(self.wire_elements(Phase.P), self.wire_elements(Phase.Q))
+        """Elements one rank sends in a compressed step (the most of the scheme's codecs)."""
+        return max(sum(lay.step_numel(codec) for lay in self.layouts.values())
+                   for codec in self._cycle)
 
     @property
     def errors(self) -> Dict[str, Tensor]:
@@ -653,41 +618,13 @@ class CompressionState:
     def q_factors(self) -> Dict[str, Tensor]:
         return {name: t.q for name, t in self.tensors.items()}
 
-    def wire_elements(self, phase: Phase) -> int:
-        """Elements one rank sends in a step of ``phase`` (every parameter added)."""
-        return sum(lay.payload_numel(phase) for lay in self.layouts.values())
-
-    def orthonormal_bases(self, phase: Phase, names: Iterable[str],
-                          out: Optional[Dict[str, Tensor]] = None) -> Dict[str, Tensor]:
-        """The orthonormalized reused factor (``Qh`` or ``Ph``; the pair
-        ``(Ph, Qh)`` for PQ) of each of ``names``.
-
-        Same-shaped factors are orthonormalized in one batched call, and each
-        basis is a view of its batch's result (nothing copied back). Written
-        into ``out`` (name -> basis) if given; the factors themselves are
-        left as they are.
-        """
-        out = {} if out is None else out
-        names = list(names)
-        if phase is Phase.PQ:
-            tensors = [self.tensors[name] for name in names]
-            bases = orthonormal_copies([t.p for t in tensors] + [t.q for t in tensors])
-            out.update(zip(names, zip(bases[:len(names)], bases[len(names):])))
-            return out
-        out.update(zip(names, orthonormal_copies(self.tensors[name].reused(phase)
-                                                 for name in names)))
-        return out
+    def wire_elements(self, codec) -> int:
+        """Elements one rank sends in a step of ``codec`` (a
+        :class:`~hvd_acp.codecs.Codec` or the :class:`~hvd_acp.compression.Phase`
+        of one of hvd_acp's), every parameter added."""
+        return sum(lay.payload_numel(codec) for lay in self.layouts.values())
 
     # ------------------------------------------------------------- checking
-    def settings(self) -> Dict[str, float]:
-        """The settings every rank must share, by name."""
-        auto = self.auto.settings() if self.auto is not None else {}
-        return {"matrix_rank": self._initial_rank, "auto_rank": int(self.auto is not None),
-                **{f"auto_{key}": auto.get(key, 0) for key in AutoRank.__dataclass_fields__},
-                "min_compression_rate": self.min_compression_rate,
-                "warmup_steps": self.warmup_steps, "seed": self.seed,
-                "both_factors": int(self.both_factors)}
-
     def fingerprint(self) -> Tuple[int, float]:
         """(step count, sum of every factor in float64): equal on every rank
         whose state came from the same place; cheap to gather."""

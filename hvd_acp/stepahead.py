@@ -42,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import numbers
 import weakref
 from typing import Callable, Dict, Optional, Tuple
 
@@ -54,15 +53,7 @@ from .compression import adaptive_shift_denom, step_ahead_shift
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StepAhead", "check_step_ahead", "check_step_hooks", "eventual_step",
-           "hook_optimizer_steps", "release"]
-
-
-def check_step_ahead(step_ahead) -> None:
-    """Raise ``ValueError`` unless ``step_ahead`` is a finite number >= 0."""
-    if (not isinstance(step_ahead, numbers.Real) or isinstance(step_ahead, bool)
-            or not step_ahead >= 0 or step_ahead == float("inf")):
-        raise ValueError(f"step_ahead must be a finite number >= 0, got {step_ahead!r}")
+__all__ = ["StepAhead", "check_step_hooks", "eventual_step", "hook_optimizer_steps", "release"]
 
 
 def _adaptive_denom(state: dict, group: dict, error: Tensor,

@@ -204,8 +204,8 @@ def maths_run(shapes, dtype, device, steps, seed=0):
         require(lay.compressed, f"{name} {shape} should be compressed")
     records = []
     for step in range(steps):
-        phase = state.phase
-        bases = state.orthonormal_bases(phase, names)
+        codec = state.begin_step()
+        bases = state.bases(names)
         record = {}
         for index, (name, (shape, grad_dtype)) in enumerate(zip(names, shapes)):
             tensor = state.tensors[name]
@@ -214,14 +214,13 @@ def maths_run(shapes, dtype, device, steps, seed=0):
             g = torch.randn(shape, generator=generator(index, step, salt=7), dtype=F64)
             g = g.to(grad_dtype).to(F64)
             g = g.to(device=device, dtype=grad_dtype if dtype == torch.float32 else dtype)
-            rows = lay.n if phase is Phase.P else lay.m
-            out = torch.empty(rows, lay.r, dtype=lay.dtype, device=device)
-            tensor.compress_(phase, g, bases[name], out)
+            out = torch.empty(lay.payload_shape(codec), dtype=lay.dtype, device=device)
+            tensor.compress_(codec, g, bases[name], out)
             target = torch.empty(lay.n, lay.m, dtype=lay.dtype, device=device)
-            tensor.apply_(phase, out, bases[name], target)      # a world of one rank
+            tensor.decode_(codec, out, bases[name], target)      # a world of one rank
             record[name] = {"G": target.cpu(), "E": tensor.error.cpu(),
                             "P": tensor.p.cpu(), "Q": tensor.q.cpu()}
-        state.step_count += 1
+        state.end_step()
         records.append(record)
     return records
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from hvd_acp.codecs import PowerSGDFirst, codec_of
 from hvd_acp.compression import Phase, orthonormalize_
 from hvd_acp.state import CompressedTensor, CompressionState
 
@@ -21,14 +22,14 @@ def make_state(seed=0, shapes=(("a", (12, 8)), ("bias", (12,)), ("b", (6, 20))))
 
 def step(state, phase, grads):
     """One step on one rank: compress every tensor, 'average' (one rank), apply."""
-    bases = state.orthonormal_bases(phase, state.tensors)
+    bases = state.bases(state.tensors, codec_of(phase))
     applied = {}
     for name, tensor in state.tensors.items():
         lay = tensor.layout
         out = torch.empty(*lay.payload_shape(phase), dtype=F64)
-        tensor.compress_(phase, grads[name], bases[name], out)
+        tensor.compress_(codec_of(phase), grads[name], bases[name], out)
         target = torch.empty(lay.n, lay.m, dtype=F64)
-        tensor.apply_(phase, out, bases[name], target)
+        tensor.decode_(codec_of(phase), out, bases[name], target)
         applied[name] = target
     state.step_count += 1
     return applied
@@ -61,10 +62,10 @@ def test_a_step_keeps_what_it_does_not_send(phase):
     before = {n: t.error.clone() for n, t in state.tensors.items()}
     grads = grads_for(state, 1)
     state.step_count = 0 if phase is Phase.P else 1
-    bases = state.orthonormal_bases(phase, state.tensors)
+    bases = state.bases(state.tensors, codec_of(phase))
     for name, tensor in state.tensors.items():
         out = torch.empty(*tensor.layout.payload_shape(phase), dtype=F64)
-        tensor.compress_(phase, grads[name], bases[name], out)
+        tensor.compress_(codec_of(phase), grads[name], bases[name], out)
         sent = out @ bases[name].t() if phase is Phase.P else bases[name] @ out.t()
         assert_close(grads[name] + before[name], sent + tensor.error)
 
@@ -72,15 +73,15 @@ def test_a_step_keeps_what_it_does_not_send(phase):
 def test_apply_commits_the_average_or_repairs_after_a_nonfinite_one():
     state = make_state()
     tensor = state.tensors["a"]
-    basis = state.orthonormal_bases(Phase.P, ["a"])["a"]
+    basis = state.bases(["a"], codec_of(Phase.P))["a"]
     averaged = torch.randn(12, 2, dtype=F64)
     target = torch.empty(12, 8, dtype=F64)
     tensor.error.fill_(1.0)
-    tensor.apply_(Phase.P, averaged, basis, target)
+    tensor.decode_(codec_of(Phase.P), averaged, basis, target)
     assert torch.equal(tensor.p, averaged) and bool(tensor.error.eq(1.0).all())
     assert_close(target, averaged @ basis.t())
     kept = tensor.p.clone()
-    tensor.apply_(Phase.P, torch.full((12, 2), float("nan"), dtype=F64), basis, target,
+    tensor.decode_(codec_of(Phase.P), torch.full((12, 2), float("nan"), dtype=F64), basis, target,
                   commit=False)
     assert torch.equal(tensor.p, kept) and not tensor.error.any()
 
@@ -88,9 +89,9 @@ def test_apply_commits_the_average_or_repairs_after_a_nonfinite_one():
 def test_bases_are_orthonormal_and_leave_the_factors_alone():
     state = make_state()
     q_before = state.tensors["a"].q.clone()
-    out = {}
-    bases = state.orthonormal_bases(Phase.P, state.tensors, out=out)
-    assert bases is out and torch.equal(state.tensors["a"].q, q_before)
+    bases = state.bases(state.tensors, codec_of(Phase.P))
+    assert bases is state.bases(["a"], codec_of(Phase.P))        # made once per step
+    assert torch.equal(state.tensors["a"].q, q_before)
     assert_close(bases["a"].t() @ bases["a"], torch.eye(2, dtype=F64))
     assert_close(bases["a"] @ (bases["a"].t() @ q_before), q_before)   # same span
 
@@ -102,7 +103,7 @@ def test_same_shaped_bases_come_from_one_batched_factorization():
     for name in ("a", "b", "c"):
         state.add(name, (12, 10), F64, torch.device("cpu"))
     state.add("d", (9, 16), F64, torch.device("cpu"))
-    bases = state.orthonormal_bases(Phase.P, state.tensors)
+    bases = state.bases(state.tensors, codec_of(Phase.P))
     storages = {bases[n].untyped_storage().data_ptr() for n in ("a", "b", "c")}
     assert len(storages) == 1
     assert bases["d"].untyped_storage().data_ptr() not in storages
@@ -118,12 +119,12 @@ def test_power_sgd_is_two_projections_of_the_same_tensor():
     grad = torch.randn(6, 20, dtype=F64)
     a = grad + tensor.error
     p_out = torch.empty(6, 2, dtype=F64)
-    tensor.compress_(Phase.P, grad, tensor.q, p_out, residual=False)
+    tensor.compress_(PowerSGDFirst(), grad, tensor.q, p_out)
     assert_close(p_out, a @ tensor.q)
-    tensor.commit_(Phase.P, p_out)
+    PowerSGDFirst().commit_(tensor, p_out)
     orthonormalize_([tensor.p])
     q_out = torch.empty(20, 2, dtype=F64)
-    tensor.compress_(Phase.Q, None, tensor.p, q_out)
+    tensor.compress_(codec_of(Phase.Q), None, tensor.p, q_out)
     assert_close(q_out, a.t() @ tensor.p)
     assert_close(tensor.error, a - tensor.p @ q_out.t())
 
@@ -214,9 +215,9 @@ def test_compressed_tensor_takes_any_gradient_shape_and_dtype():
     tensor = state.tensors["conv"]
     assert isinstance(tensor, CompressedTensor) and tensor.layout.m == 12
     grad = torch.randn(4, 3, 2, 2, dtype=torch.float32)
-    basis = state.orthonormal_bases(Phase.P, ["conv"])["conv"]
+    basis = state.bases(["conv"], codec_of(Phase.P))["conv"]
     out = torch.empty(4, 2, dtype=F64)
-    tensor.compress_(Phase.P, grad, basis, out)
+    tensor.compress_(codec_of(Phase.P), grad, basis, out)
     assert_close(out, grad.reshape(4, 12).double() @ basis)
 
 
@@ -230,9 +231,9 @@ def test_a_gradient_in_the_parameters_shape_or_layout_compresses_alike(phase):
         state = make_state(shapes=(("conv", (4, 3, 2, 2)),))
         tensor = state.tensors["conv"]
         tensor.error.copy_(torch.linspace(-1, 1, 48, dtype=F64).view(4, 12))
-        basis = state.orthonormal_bases(phase, ["conv"])["conv"]
+        basis = state.bases(["conv"], codec_of(phase))["conv"]
         out = torch.empty(4 if phase is Phase.P else 12, 2, dtype=F64)
-        tensor.compress_(phase, given, basis, out)
+        tensor.compress_(codec_of(phase), given, basis, out)
         results.append((out, tensor.error.clone()))
     for out, error in results[1:]:
         assert torch.equal(out, results[0][0]) and torch.equal(error, results[0][1])
@@ -266,27 +267,26 @@ def test_a_pq_step_sends_both_factors_on_the_previous_bases():
         tensor.error.normal_(generator=torch.Generator().manual_seed(3))
     before = {n: t.error.clone() for n, t in state.tensors.items()}
     grads = grads_for(state, 1)
-    bases = state.orthonormal_bases(Phase.PQ, state.tensors)
+    bases = state.bases(state.tensors, codec_of(Phase.PQ))
     for name, tensor in state.tensors.items():
         ph, qh = bases[name]
         assert_close(ph.t() @ ph, torch.eye(2, dtype=F64))
         assert_close(qh, torch.linalg.qr(tensor.q)[0])
         n = tensor.layout.n
         out = torch.empty(*tensor.layout.payload_shape(Phase.PQ), dtype=F64)
-        pending = tensor.compress_(Phase.PQ, grads[name], bases[name], out, defer=True)
+        pending = tensor.compress_(codec_of(Phase.PQ), grads[name], bases[name], out, defer=True)
         out.mul_(3)                                    # the all-reduce writes over the slot
         pending.finish_()                              # the residual reads its own copy
         accumulated = grads[name] + before[name]
         sent = (out[:n] / 3) @ qh.t() + ph @ (out[n:] / 3).t() - ph @ ph.t() @ (out[:n] / 3) @ qh.t()
         assert_close(accumulated, sent + tensor.error)
         target = torch.empty(n, tensor.layout.m, dtype=F64)
-        tensor.apply_(Phase.PQ, out / 3, bases[name], target)
+        p, rest = tensor.decode_(codec_of(Phase.PQ), out / 3, bases[name], target)
         assert_close(target, sent)
         assert_close(tensor.p, out[:n] / 3) and assert_close(tensor.q, out[n:] / 3)
-        p, rest = tensor.committed(Phase.PQ)
         assert_close(p.pow(2).sum() + rest.pow(2).sum(), target.pow(2).sum())
     assert "PQ" == state.state_dict(rank=0, world_size=1)["phase"]
-    assert state.settings()["both_factors"] == 1
+    assert state.settings.both_factors is True
 
 
 def test_the_diagnostics_of_pq_steps_count_what_the_projection_keeps_once():

@@ -45,6 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from ..autorank import parse_matrix_rank
+from ..codecs import PowerSGDFirst, codec_of
 from ..compression import Phase, compute_dtype, orthonormalize_
 from ..fusion import DEFAULT_FUSION_THRESHOLD_BYTES, make_layouts
 from ..settings import Settings
@@ -99,6 +100,9 @@ def _host_s_per_byte(device: torch.device, repeats: int, nbytes: int = 16 * 1024
     return _timed(work, device, repeats) / nbytes
 
 
+POWERSGD_FIRST = PowerSGDFirst()
+
+
 def _time_compression(tensor: CompressedTensor, device: torch.device, repeats: int,
                       gen: torch.Generator) -> Dict:
     """Seconds of each step of ``tensor`` on a random gradient, as the front ends run them."""
@@ -124,22 +128,23 @@ def _time_compression(tensor: CompressedTensor, device: torch.device, repeats: i
         weight.sub_(tensor.error, alpha=1e-3)
         weight.copy_(anchor)
 
+    p_step, q_step = codec_of(Phase.P), codec_of(Phase.Q)
     steps = {
-        "acp_p_s": lambda: tensor.compress_(Phase.P, grad, qh, out_p),
-        "acp_q_s": lambda: tensor.compress_(Phase.Q, grad, ph, out_q),
+        "acp_p_s": lambda: tensor.compress_(p_step, grad, qh, out_p),
+        "acp_q_s": lambda: tensor.compress_(q_step, grad, ph, out_q),
         # Power-SGD: P on the last Q (its residual left to the second
         # projection), then Q of the residual on the orthonormalized P.
-        "psgd_p_s": lambda: tensor.compress_(Phase.P, grad, tensor.q, out_p, residual=False),
-        "psgd_q_s": lambda: tensor.compress_(Phase.Q, None, ph, out_q),
-        "reconstruct_s": lambda: tensor.reconstruct_(Phase.Q, out_q, ph, target),
+        "psgd_p_s": lambda: tensor.compress_(POWERSGD_FIRST, grad, tensor.q, out_p),
+        "psgd_q_s": lambda: tensor.compress_(q_step, None, ph, out_q),
+        "reconstruct_s": lambda: q_step.reconstruct_(tensor, out_q, ph, target),
         "step_ahead_s": step_ahead,
     }
     times = {key: _timed(fn, device, repeats) for key, fn in steps.items()}
     # The residual alone, as the front ends compute it after launching the
     # buffer its slot completes (each call subtracts it again: same cost).
-    for phase, basis, out, key in ((Phase.P, qh, out_p, "acp_p_residual_s"),
-                                   (Phase.Q, ph, out_q, "acp_q_residual_s")):
-        owed = tensor.compress_(phase, grad, basis, out, defer=True)
+    for codec, basis, out, key in ((p_step, qh, out_p, "acp_p_residual_s"),
+                                   (q_step, ph, out_q, "acp_q_residual_s")):
+        owed = tensor.compress_(codec, grad, basis, out, defer=True)
         times[key] = _timed(owed.finish_, device, repeats)
     return times
 
@@ -213,7 +218,7 @@ def probed_state(named, matrix_rank, min_compression_rate: Optional[float] = Non
     that its layout has the rank auto chooses from it."""
     settings = Settings(matrix_rank=matrix_rank, min_compression_rate=min_compression_rate,
                         warmup_steps=0, seed=0).resolve()
-    state = CompressionState(**settings.compression_kwargs())
+    state = CompressionState(settings)
     for name, param in named:
         state.add(name, param.shape, param.dtype, torch.device("cpu"))
         if state.auto is not None and name in state.tensors and param.grad is not None:
