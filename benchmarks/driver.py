@@ -397,7 +397,7 @@ def _measure(cfg: BenchConfig, runner: _Runner, method: str,
 
 NOTES = [
     "bytes_sent_per_step is per rank: the payload each rank hands to all-reduce per step, "
-    "from each method's counters (hvd_acp.methods, hvd_acp.counting): hvd_acp's "
+    "from each method's counters (hvd_acp.methods, hvd_acp.methods.counting): hvd_acp's "
     "`optimizer.comm_stats` (ACP-SGD, its ablations, Power-SGD) and `ACPState.comm_stats` "
     "(DDP acp_hook); S-SGD under Horovod: each tensor as it leaves its "
     "`hvd.Compression` (fp16 for ssgd-fp16); DDP without a hook: its bucket sizes once "

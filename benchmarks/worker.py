@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from hvd_acp.counting import powersgd_ddp_bytes_per_step
+from hvd_acp.methods.counting import powersgd_ddp_bytes_per_step
 from hvd_acp.methods import HOROVOD, TORCHRUN, Distributed, Method
 from hvd_acp.methods import get as get_method
 from hvd_acp.plan.models import build_model, model_file
@@ -139,7 +139,7 @@ def torch_hook_rank(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     """The rank of torch's ``powerSGD_hook`` when none is given: hvd_acp's
     default where it is an int (SGD: 4); where it is a share of each matrix
     (adaptive optimizers), the int rank whose bytes per step
-    (:func:`hvd_acp.counting.powersgd_ddp_bytes_per_step`, fp32) come closest
+    (:func:`hvd_acp.methods.counting.powersgd_ddp_bytes_per_step`, fp32) come closest
     to :func:`hvd_acp_powersgd_bytes` (the smaller one on a tie)."""
     from hvd_acp.settings import Settings
     default = Settings().resolve(optimizer, factors_per_step=2).matrix_rank

@@ -2,11 +2,17 @@
 
     optimizer = hvd_acp.DistributedOptimizer(optimizer,
                                              named_parameters=model.named_parameters())
+
+``import hvd_acp`` loads the library only: the DDP hook (``hvd_acp.ddp``),
+the baselines (``hvd_acp.baselines``: DiLoCo, a DeMo-style method), the
+integrations, the planner (``hvd_acp.plan``), the A/B tool (``hvd_acp.ab``)
+and the registry of methods they compare (``hvd_acp.methods``) are imported
+where asked for.
 """
 from .autorank import AutoRank
-from .baselines import DeMoOptimizer, DiLoCoOptimizer
 from .compression import Phase
 from .comm import CommStats, Communicator, HorovodCommunicator, LocalCommunicator
+from .horovod_broadcast import broadcast_optimizer_state
 from .optimizer import DistributedOptimizer
 from .powersgd import PowerSGDOptimizer
 from .settings import Settings
@@ -15,13 +21,18 @@ __version__ = "0.1.0"
 
 __all__ = ["DistributedOptimizer", "PowerSGDOptimizer", "DiLoCoOptimizer", "DeMoOptimizer",
            "Settings", "AutoRank", "Phase", "CommStats", "Communicator", "HorovodCommunicator",
-           "LocalCommunicator", "__version__"]
+           "LocalCommunicator", "broadcast_optimizer_state", "__version__"]
+
+#: Names loaded on first use, from the module that holds them.
+_LAZY = {"ddp": "hvd_acp.ddp", "baselines": "hvd_acp.baselines",
+         "DiLoCoOptimizer": "hvd_acp.baselines", "DeMoOptimizer": "hvd_acp.baselines"}
 
 
 def __getattr__(name):
-    # hvd_acp.ddp (the DDP communication hook) imports torch.distributed:
-    # loaded on first use only.
-    if name == "ddp":
+    # The DDP hook imports torch.distributed, the baselines their own
+    # machinery: neither is loaded by ``import hvd_acp``.
+    if name in _LAZY:
         import importlib
-        return importlib.import_module(f"{__name__}.ddp")
+        module = importlib.import_module(_LAZY[name])
+        return module if module.__name__.endswith(name) else getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,39 +2,36 @@
 
 :class:`DistributedOptimizer` checks its arguments (the same error on every
 rank), builds the :class:`~hvd_acp.reducer.ACPReducer` and the step-ahead
-shift, forwards the torch optimizer's attributes, and keeps Horovod's
-contract: ``step``, ``synchronize``, ``skip_synchronize``, checkpoints, and
-``hvd.broadcast_optimizer_state`` (whose needs are met in
-:mod:`.horovod_broadcast`).
+shift, and keeps Horovod's contract on :class:`~hvd_acp.wrapper.WrappedOptimizer`,
+the base every hvd_acp optimizer under Horovod shares: ``step``,
+``synchronize``, ``skip_synchronize``, checkpoints with a compression
+section, and ``hvd.broadcast_optimizer_state``.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import numbers
 import os
 import warnings
 import weakref
-from collections import OrderedDict
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .agreement import agree, describe_differences
-from .comm import CommStats, Communicator, HorovodCommunicator
+from .comm import Communicator, HorovodCommunicator
 from .fusion import DEFAULT_FUSION_THRESHOLD_BYTES
-from .horovod_broadcast import (STATE_KEY, LocalStep, add_broadcast_entry,
-                                called_by_broadcast_optimizer_state, pass_as_horovod_optimizer)
+from .horovod_broadcast import STATE_KEY
 from .reducer import ACPReducer
 from .settings import Settings, is_int
 from .stepahead import StepAhead
+from .wrapper import WrappedOptimizer, named_parameters_of
 
 logger = logging.getLogger(__name__)
 
 
-class DistributedOptimizer(LocalStep):
+class DistributedOptimizer(WrappedOptimizer):
     """Drop-in replacement for ``hvd.DistributedOptimizer`` training with ACP-SGD.
 
     Wraps a torch optimizer by composition: ``param_groups``, ``state`` and
@@ -106,6 +103,7 @@ class DistributedOptimizer(LocalStep):
 
     reducer_class = ACPReducer
     name_prefix = "hvd_acp"
+    section = STATE_KEY
     #: Factors on the wire per step (one: P or Q), for the default rank.
     factors_per_step = 1
 
@@ -122,10 +120,9 @@ class DistributedOptimizer(LocalStep):
                  fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD_BYTES,
                  overlap: bool = True, diagnostics: bool = False,
                  communicator: Optional[Communicator] = None):
-        self._wrap(optimizer)
         args = _Arguments(backward_passes_per_step, fusion_threshold_bytes,
                           gradient_predivide_factor, num_groups, groups, sparse_as_dense, overlap)
-        error, settings, named, fusion_groups = None, None, [], None
+        error, named, fusion_groups = None, [], None
         try:
             if communicator is None:
                 HorovodCommunicator.check_arguments(op, gradient_predivide_factor, compression)
@@ -135,21 +132,22 @@ class DistributedOptimizer(LocalStep):
                 fp16_wire=HorovodCommunicator.fp16_wire_of(compression), both_factors=both_factors,
             ).resolve(optimizer, factors_per_step=self.factors_per_step)
             args.check()
-            named = _named_parameters(optimizer, named_parameters)
+            named = named_parameters_of(optimizer, named_parameters)
             fusion_groups = args.fusion_groups(named)
         except (ValueError, TypeError, NotImplementedError) as exc:
-            error = exc
+            error, settings = exc, None
         if communicator is None:
             communicator = HorovodCommunicator(op, gradient_predivide_factor, process_set,
                                                fp16_wire=bool(settings and settings.fp16_wire))
-        self._comm = communicator
+        self._wrap(optimizer, communicator)
         # Elastic jobs skip the collectives: a worker that joins later builds
         # its optimizer while the others are inside Horovod's state sync, and
         # is checked against rank 0's state in sync_compression_state().
         elastic = (isinstance(communicator, HorovodCommunicator)
                    and os.environ.get("HOROVOD_ELASTIC") == "1")
-        self._agree_on_arguments(error, elastic, lambda: args.facts(
-            settings, named, fusion_groups, communicator))
+        self._agree_on_arguments(error, lambda: args.facts(settings, named, fusion_groups,
+                                                           communicator),
+                                 alone=elastic or not communicator.included())
         self._build(named, settings, args, fusion_groups, bool(diagnostics), elastic)
 
     def _build(self, named, settings: Settings, args: "_Arguments", fusion_groups,
@@ -163,8 +161,7 @@ class DistributedOptimizer(LocalStep):
             backward_passes_per_step=args.backward_passes_per_step, groups=fusion_groups,
             sparse_as_dense=args.sparse_as_dense, name_prefix=self.name_prefix,
             diagnostics=diagnostics, overlap=args.overlap,
-            on_first_round=None if elastic else functools.partial(
-                _agree_on_state, self._comm, self.name_prefix))
+            on_first_round=None if elastic else self._agree_on_state)
         self._settings = settings
         self._step_ahead = StepAhead(self._reducer.state, self._reducer.params, self._optimizer,
                                      settings.step_ahead, share=self._reducer.share,
@@ -172,7 +169,6 @@ class DistributedOptimizer(LocalStep):
         self.backward_passes_per_step = args.backward_passes_per_step
         self._synchronized = False
         self._should_synchronize = True
-        self._state_initialized_by_broadcast = False
         # The hooks die with the optimizer, so a model can be wrapped again
         # once the previous optimizer is gone (or closed).
         self._finalizer = weakref.finalize(self, _release, self._reducer, self._step_ahead)
@@ -181,75 +177,6 @@ class DistributedOptimizer(LocalStep):
         if isinstance(self._comm, HorovodCommunicator):
             from .elastic import register_elastic_handler
             register_elastic_handler(DistributedOptimizer)
-
-    def _wrap(self, optimizer: torch.optim.Optimizer) -> None:
-        """Hold ``optimizer``, whose ``param_groups``, ``state`` and ``defaults``
-        are forwarded (properties below): Optimizer.__init__ is not run."""
-        torch._C._log_api_usage_once("hvd_acp.DistributedOptimizer")
-        for hooks in ("step_pre", "step_post", "state_dict_pre", "state_dict_post",
-                      "load_state_dict_pre", "load_state_dict_post"):
-            setattr(self, f"_optimizer_{hooks}_hooks", OrderedDict())
-        self._optimizer = optimizer
-        pass_as_horovod_optimizer(self)
-
-    # ------------------------------------------------------------ agreement
-    def _agree_on_arguments(self, error: Optional[Exception], elastic: bool, facts) -> None:
-        """Raise on every rank, or on none: a rank that raises alone leaves the
-        others waiting in their first all-reduce, and ranks whose settings or
-        models differ send other payloads under other names. ``facts()`` is
-        what must be equal (every setting that changes what is sent or how it
-        is named, and the parameters). A rank outside the process set
-        communicates with no one: its errors are its own."""
-        comm = self._comm
-        if elastic or not comm.included() or comm.size() == 1:
-            if error is not None:
-                raise error
-            return
-        agree(lambda obj: comm.allgather_object(obj, name="hvd_acp.validate"),
-              facts() if error is None else {}, error=error, rank=comm.rank(),
-              explain=_describe_mismatch)
-
-    # --------------------------------------------- forwarding to the wrapped one
-    @property
-    def param_groups(self) -> List[dict]:
-        return self._optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value) -> None:
-        self._optimizer.param_groups = value
-
-    @property
-    def state(self):
-        return self._optimizer.state
-
-    @state.setter
-    def state(self, value) -> None:
-        self._optimizer.state = value
-
-    @property
-    def defaults(self) -> dict:
-        return self._optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value) -> None:
-        self._optimizer.defaults = value
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The wrapped torch optimizer."""
-        return self._optimizer
-
-    def __getstate__(self):
-        raise TypeError("hvd_acp.DistributedOptimizer holds gradient hooks and Horovod "
-                        "handles and cannot be pickled; save state_dict() instead")
-
-    def __repr__(self) -> str:
-        return f"hvd_acp.DistributedOptimizer({self._optimizer!r})"
-
-    def add_param_group(self, param_group: dict) -> None:
-        raise NotImplementedError(
-            "add_param_group() after wrapping is not supported: add the group to the "
-            "torch optimizer before creating hvd_acp.DistributedOptimizer")
 
     # ------------------------------------------------------------- the contract
     @property
@@ -261,11 +188,6 @@ class DistributedOptimizer(LocalStep):
     def phase(self):
         """The :class:`~hvd_acp.compression.Phase` of the next step."""
         return self._reducer.phase
-
-    @property
-    def comm_stats(self) -> CommStats:
-        """Counters of all-reduces and bytes this rank has submitted."""
-        return self._comm.stats
 
     @property
     def reducer(self) -> ACPReducer:
@@ -282,19 +204,9 @@ class DistributedOptimizer(LocalStep):
         probe under ``matrix_rank="auto"``), identical on every rank."""
         return self._reducer.state.ranks()
 
-    @property
-    def parameter_names(self) -> Dict[torch.Tensor, str]:
-        """The name of every parameter of the wrapped optimizer, identical on every rank.
-
-        The given ``named_parameters`` or the generated
-        ``allreduce.noname.{group}.{index}``; the same mapping as Horovod's
-        ``optimizer._parameter_names`` (a copy).
-        """
-        return dict(self._parameter_names)
-
     def close(self) -> None:
         """Remove the gradient hooks; the parameters may then be wrapped again."""
-        self._finalizer()
+        super().close()
         for param in self._reducer.params.values():
             if getattr(param, "_hvd_acp_owner", lambda: None)() is self:
                 del param._hvd_acp_owner
@@ -310,23 +222,6 @@ class DistributedOptimizer(LocalStep):
         """
         with self._step_ahead.true_weights():
             yield
-
-    def sync_compression_state(self, root_rank: int = 0) -> None:
-        """Make every rank's compression state equal to ``root_rank``'s.
-
-        Broadcasts the step count (hence the phase) and the factors P and Q,
-        and resets every rank's error feedback to zero, which is the one
-        choice valid for any set of ranks: residuals are rank-local and
-        meaningless on a rank that joined later. A collective: call it on
-        every rank (a rank outside the process set returns at once).
-        Elastic training calls it on every (re)start.
-        """
-        if not self._comm.included():
-            return
-        state = self._reducer.state_dict(with_error=False)
-        state = self._comm.broadcast_object(state, root_rank, name="hvd_acp.sync_state")
-        self._step_ahead.restore(warn=False)
-        self._reducer.load_state_dict(state, reset_error_feedback=True)
 
     def synchronize(self) -> None:
         """Wait for all-reduces and write the averaged gradients into ``p.grad``.
@@ -350,16 +245,8 @@ class DistributedOptimizer(LocalStep):
         finally:
             self._should_synchronize = True
 
-    def step(self, closure=None):
+    def _step(self):
         """Synchronize (unless already done or skipped), update, next phase."""
-        if called_by_broadcast_optimizer_state():
-            # Its state initialization, run on some ranks only (a subclass
-            # is reached here through super(type(opt), opt).step()).
-            return LocalStep.step(self, closure)
-        if closure is not None:
-            raise NotImplementedError(
-                "step(closure) is not supported: a closure re-runs backward, which would "
-                "start a second compressed all-reduce in the same step")
         if self._should_synchronize:
             if self._synchronized:
                 # Horovod's warning, which tests in the wild look for: the
@@ -368,7 +255,7 @@ class DistributedOptimizer(LocalStep):
                               "context after optimizer.synchronize(). hvd.DistributedOptimizer "
                               "would all-reduce again here; use `with "
                               "optimizer.skip_synchronize(): optimizer.step()` after "
-                              "optimizer.synchronize().", UserWarning, stacklevel=2)
+                              "optimizer.synchronize().", UserWarning, stacklevel=3)
             if self._synchronized and not self._reducer.pending:
                 logger.debug("step() after synchronize(): nothing left to communicate")
             else:
@@ -390,47 +277,17 @@ class DistributedOptimizer(LocalStep):
                 "already in flight. Call zero_grad() before backward() or after step().")
         self._optimizer.zero_grad(set_to_none=set_to_none)
 
+    # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """The wrapped optimizer's state dict plus an ``"hvd_acp"`` section.
 
         The extra section (phase, step count, factors and this rank's error
         feedback, keyed by parameter name, with the saving rank) is ignored
         by a plain torch optimizer's ``load_state_dict``.
-
-        ``hvd.broadcast_optimizer_state`` gets a view that carries the
-        compression state among the optimizer state it broadcasts, so that
-        every rank leaves it with the root's step count, phase and factors
-        (see :meth:`_adopt_broadcast`).
+        ``hvd.broadcast_optimizer_state`` carries it to every rank (the
+        root's step count, phase and factors; see :meth:`broadcast_section`).
         """
-        state = self._optimizer.state_dict()
-        if called_by_broadcast_optimizer_state():
-            # While the wrapped state is empty, Horovod first initializes it
-            # with a local step on the ranks that have none, then asks again;
-            # the entry joins in once there is state to broadcast, or once
-            # that step shows the optimizer keeps none, so that every rank
-            # broadcasts the same entries.
-            if state["state"] or self._state_initialized_by_broadcast:
-                self._state_initialized_by_broadcast = False
-                add_broadcast_entry(state, {"rank": self._comm.rank(),
-                                            "state": self._reducer.state_dict(with_error=False)},
-                                    self._adopt_broadcast)
-            return state
-        state[STATE_KEY] = self._reducer.state_dict()
-        return state
-
-    def _adopt_broadcast(self, value: dict) -> None:
-        """Take the root's compression state from ``hvd.broadcast_optimizer_state``.
-
-        Every rank leaves with the root's step count (hence phase and warm-up
-        position) and factors. The root keeps its residual; the other ranks
-        start theirs from zero: a residual is one rank's unsent gradient, and
-        the others' were not in the root's checkpoint.
-        """
-        if not self._comm.included() or value["rank"] == self._comm.rank():
-            return
-        self._step_ahead.restore(warn=False)
-        self._reducer.load_state_dict(value["state"], reset_error_feedback=True)
-        self._step_ahead.after_step()
+        return super().state_dict()
 
     def load_state_dict(self, state_dict: dict, reset_error_feedback: bool = False) -> None:
         """Load a state dict of this class or of the plain wrapped optimizer.
@@ -450,17 +307,61 @@ class DistributedOptimizer(LocalStep):
             ValueError: the compression section does not match this
                 optimizer (format, parameters, shapes); nothing is loaded.
         """
-        state_dict = dict(state_dict)
-        acp_state = state_dict.pop(STATE_KEY, None)
-        if acp_state is not None:       # before anything is loaded: all or nothing
-            self._reducer.state.check_state_dict(acp_state)
+        self._reset_error_feedback = reset_error_feedback
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            self._reset_error_feedback = False
+
+    def sync_compression_state(self, root_rank: int = 0) -> None:
+        """Make every rank's compression state equal to ``root_rank``'s.
+
+        Broadcasts the step count (hence the phase) and the factors P and Q,
+        and resets every rank's error feedback to zero, which is the one
+        choice valid for any set of ranks: residuals are rank-local and
+        meaningless on a rank that joined later. A collective: call it on
+        every rank (a rank outside the process set returns at once).
+        Elastic training calls it on every (re)start.
+        """
+        if not self._comm.included():
+            return
+        state = self._reducer.state_dict(with_error=False)
+        state = self._comm.broadcast_object(state, root_rank, name="hvd_acp.sync_state")
         self._step_ahead.restore(warn=False)
-        self._optimizer.load_state_dict(state_dict)
-        if acp_state is not None:
-            self._reducer.load_state_dict(acp_state, reset_error_feedback)
-        elif reset_error_feedback:
+        self._reducer.load_state_dict(state, reset_error_feedback=True)
+
+    def broadcast_section(self, root_rank: int) -> None:
+        if self._comm.included():
+            super().broadcast_section(root_rank)
+
+    def _section_state(self, for_broadcast: bool = False) -> dict:
+        return self._reducer.state_dict(with_error=not for_broadcast)
+
+    def _check_section(self, section: dict) -> None:
+        self._reducer.state.check_state_dict(section)
+
+    def _load_section(self, section: dict, from_broadcast: bool = False) -> None:
+        # A broadcast carries no residual: the other ranks start theirs from zero.
+        self._reducer.load_state_dict(section, reset_error_feedback=from_broadcast
+                                      or self._reset_error_feedback)
+
+    def _before_load(self) -> None:
+        self._step_ahead.restore(warn=False)
+
+    def _after_load(self) -> None:
+        if self._reset_error_feedback:
             self._reducer.state.reset_error_feedback()
         self._step_ahead.after_step()
+
+    _reset_error_feedback = False
+
+    def _agree_on_state(self, reducer: ACPReducer) -> None:
+        """At the first step: every rank starts from the same compression state,
+        or all raise (a checkpoint loaded on some ranks only would leave them in
+        phases whose all-reduces never match)."""
+        step_count, factor_sum = reducer.state.fingerprint()
+        self._agree_on_start({"step_count": step_count, "factor_sum": factor_sum},
+                             _different_states, context=reducer.origin)
 
 
 def _release(reducer: ACPReducer, step_ahead: StepAhead) -> None:
@@ -531,89 +432,9 @@ class _Arguments:
                     parameters=[(n, tuple(p.shape), str(p.dtype)) for n, p in named])
 
 
-def _named_parameters(optimizer, named_parameters) -> List[Tuple[str, torch.Tensor]]:
-    """(name, param) for every parameter of ``optimizer``, in its order; raises
-    for a bad optimizer, names or parameters."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
-                        f"{type(optimizer).__name__}")
-    if isinstance(optimizer, DistributedOptimizer):
-        raise TypeError("optimizer is already an hvd_acp.DistributedOptimizer")
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if named_parameters is None:
-        named = [(f"allreduce.noname.{i}.{j}", p)
-                 for i, group in enumerate(optimizer.param_groups)
-                 for j, p in enumerate(group["params"])]
-    else:
-        named = list(named_parameters)
-        if any(not isinstance(t, tuple) or len(t) != 2 for t in named):
-            raise ValueError("named_parameters should be a sequence of (name, parameter) "
-                             "tuples, usually model.named_parameters()")
-        names = [n for n, _ in named]
-        duplicates = sorted({n for n in names if names.count(n) > 1})
-        if duplicates:
-            raise ValueError(f"Parameter names in named_parameters must be unique; "
-                             f"duplicated: {duplicates}")
-        by_param = {p: n for n, p in named}
-        unnamed = [i for i, p in enumerate(params) if p not in by_param]
-        if unnamed:
-            raise ValueError(
-                "named_parameters was specified, but one or more model parameters were "
-                f"not named (positions {unnamed} in the optimizer's param_groups)")
-        named = [(by_param[p], p) for p in params]
-    seen = set()
-    for name, p in named:
-        owner = getattr(p, "_hvd_acp_owner", lambda: None)()
-        if owner is not None:
-            raise ValueError(
-                f"parameter {name!r} is already handled by another hvd_acp optimizer; "
-                "a parameter can belong to one DistributedOptimizer only (close() the "
-                "previous one before wrapping the parameters again)")
-        if p in seen:
-            raise ValueError(f"parameter {name!r} appears twice in the optimizer's param_groups")
-        seen.add(p)
-        if p.is_complex():
-            raise TypeError(f"parameter {name!r} has dtype {p.dtype}; only floating-point "
-                            "parameters can be trained")
-    devices = {p.device for _, p in named if _can_have_grad(p)}
-    if len(devices) > 1:
-        raise NotImplementedError(
-            f"parameters on several devices ({sorted(map(str, devices))}) are not "
-            "supported: wrap each device's parameters in its own DistributedOptimizer")
-    return named
-
-
 def _can_have_grad(param: torch.Tensor) -> bool:
     """Only floating-point (and complex) tensors can require a gradient in torch."""
     return param.is_floating_point() or param.is_complex()
-
-
-def _describe_mismatch(rank: int, gathered) -> ValueError:
-    reference, other = gathered[0]["facts"], gathered[rank]["facts"]
-    ref_settings = {k: v for k, v in reference.items() if k != "parameters"}
-    settings = {k: v for k, v in other.items() if k != "parameters"}
-    if ref_settings != settings:
-        return ValueError("hvd_acp settings differ between ranks: "
-                          f"{describe_differences(ref_settings, settings, rank)}; pass the same "
-                          "arguments on every rank")
-    ref_map = {n: s for n, *s in reference["parameters"]}
-    other_map = {n: s for n, *s in other["parameters"]}
-    for name in sorted(set(ref_map) | set(other_map)):
-        if ref_map.get(name) != other_map.get(name):
-            return ValueError(f"the model differs between ranks: parameter {name!r} is "
-                              f"{ref_map.get(name, 'missing')} on rank 0 and "
-                              f"{other_map.get(name, 'missing')} on rank {rank}")
-    return ValueError(f"parameter order differs between rank 0 and rank {rank}")
-
-
-def _agree_on_state(comm: Communicator, prefix: str, reducer: ACPReducer) -> None:
-    """At the first step: every rank starts from the same compression state,
-    or all raise (a checkpoint loaded on some ranks only would leave them in
-    phases whose all-reduces never match)."""
-    step_count, factor_sum = reducer.state.fingerprint()
-    agree(lambda obj: comm.allgather_object(obj, name=f"{prefix}.first_step"),
-          {"step_count": step_count, "factor_sum": factor_sum}, context=reducer.origin,
-          explain=_different_states)
 
 
 def _different_states(rank: int, gathered) -> RuntimeError:

@@ -34,7 +34,7 @@ from .diagnostics import Recorder
 from .fusion import plan_buckets
 from .rounds import BufferCache, GradientHooks, Plan, Round
 from .settings import Settings
-from .state import CompressionState, PendingResidual
+from .state import CompressionState
 
 logger = logging.getLogger(__name__)
 

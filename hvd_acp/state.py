@@ -42,12 +42,12 @@ import dataclasses
 import logging
 import math
 import threading
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor
 
-from .autorank import AutoRank, choose_rank, energy_curve, parse_matrix_rank, spectral_factors
+from .autorank import choose_rank, energy_curve, parse_matrix_rank, spectral_factors
 from .codecs import DENSE, Codec, as_codec
 from .compression import compute_dtype, init_factor, orthonormalize_
 from .fusion import TensorLayout, make_layouts, rank_limit

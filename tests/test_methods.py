@@ -9,7 +9,7 @@ from torch import nn
 
 import hvd_acp
 from hvd_acp import methods
-from hvd_acp.counting import CountingCompression, counted_hook, fp16_hook_payload
+from hvd_acp.methods.counting import CountingCompression, counted_hook, fp16_hook_payload
 from hvd_acp.methods import HOROVOD, KEYS, REGISTRY, TORCHRUN, Counters
 from tests.hvdrun import horovodrun, rank_lines, torchrun
 

@@ -30,6 +30,7 @@ import torch
 from ..comm import Communicator
 from . import maths
 from .settings import DeMoSettings
+from ..horovod_broadcast import initialize_state_
 from .wrapper import BaselineOptimizer, weights_fingerprint
 
 __all__ = ["DeMoOptimizer"]
@@ -95,14 +96,10 @@ class DeMoOptimizer(BaselineOptimizer):
         return {"step_count": self.step_count,
                 "weights": weights_fingerprint(p for _, p in self.named_params)}
 
-    def _initialization_step(self, closure):
+    def initialize_state(self) -> None:
         # The wrapped optimizer steps only the 1-D tensors: create its state
         # for those alone, as training will.
-        stashed = self._hide_compressed_grads()
-        try:
-            return super()._initialization_step(closure)
-        finally:
-            self._restore_grads(stashed)
+        initialize_state_(self._optimizer, [p for _, p in self.exact])
 
     def _hide_compressed_grads(self) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
         stashed = [(p, p.grad) for _, p in self.compressed]
@@ -115,7 +112,7 @@ class DeMoOptimizer(BaselineOptimizer):
         for p, grad in stashed:
             p.grad = grad
 
-    def _step(self):
+    def _method_step(self):
         comm, s = self._comm, self.settings
         started = time.perf_counter()
         values, positions = [], []

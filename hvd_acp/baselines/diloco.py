@@ -81,7 +81,7 @@ class DiLoCoOptimizer(BaselineOptimizer):
                 "weights": weights_fingerprint(weights),
                 "momentum": weights_fingerprint(self._momentum.values())}
 
-    def _step(self):
+    def _method_step(self):
         self._take_global()
         result = self._optimizer.step()
         self.pending_inner_steps += 1

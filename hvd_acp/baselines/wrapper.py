@@ -1,12 +1,6 @@
-"""What the two baselines share: a wrapper by composition with Horovod's contract.
-
-:class:`BaselineOptimizer` holds the user's torch optimizer (its
-``param_groups``, ``state`` and ``defaults`` are forwarded, so LR schedulers
-work), checks its arguments with the same error on every rank, checks at its
-first step that every rank starts from the same weights and state, and meets
-``hvd.broadcast_optimizer_state`` as :class:`hvd_acp.DistributedOptimizer`
-does (:mod:`hvd_acp.horovod_broadcast`). A subclass says what it agrees on
-and what one step does.
+"""What the two baselines share beyond every wrapper's contract
+(:class:`hvd_acp.wrapper.WrappedOptimizer`): the first step's check, the
+step count, the overflow agreement.
 
 Unlike S-SGD these methods average no gradient: ``synchronize()``
 communicates nothing and leaves each rank's own gradient in ``p.grad`` (so
@@ -19,31 +13,20 @@ then skips the step), the ranks agree on at the end of backward
 """
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import math
 import time
 import weakref
-from collections import OrderedDict
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch.autograd import Variable
 
-from ..agreement import agree, describe_differences
-from ..comm import CommStats, Communicator, HorovodCommunicator
-from ..horovod_broadcast import LocalStep, called_by_broadcast_optimizer_state
-from ..horovod_broadcast import pass_as_horovod_optimizer
-from ..optimizer import _named_parameters
+from ..agreement import describe_differences
+from ..comm import Communicator, HorovodCommunicator
+from ..settings import facts_of
+from ..wrapper import WrappedOptimizer, named_parameters_of
 
 __all__ = ["BaselineOptimizer", "OverflowAgreement"]
-
-
-def _forwarded(name: str) -> property:
-    """The wrapped optimizer's attribute ``name``, read and written through."""
-    return property(lambda self: getattr(self._optimizer, name),
-                    lambda self, value: setattr(self._optimizer, name, value),
-                    doc=f"The wrapped optimizer's ``{name}``.")
 
 
 def weights_fingerprint(tensors: Iterable[torch.Tensor]) -> float:
@@ -115,7 +98,7 @@ class OverflowAgreement:
         self._handles = []
 
 
-class BaselineOptimizer(LocalStep):
+class BaselineOptimizer(WrappedOptimizer):
     """A torch optimizer wrapped for one of the baselines (subclasses only).
 
     Args:
@@ -129,32 +112,22 @@ class BaselineOptimizer(LocalStep):
             Horovod's. Tests pass a ``LocalCommunicator``.
     """
 
-    #: The method's key in :mod:`hvd_acp.methods`, and the prefix of its
-    #: collectives' names and of its section of the state dict.
+    #: The method's key in :mod:`hvd_acp.methods`.
     key = "baseline"
-
-    param_groups = _forwarded("param_groups")
-    state = _forwarded("state")
-    defaults = _forwarded("defaults")
 
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]],
                  settings: Any, communicator: Optional[Communicator]) -> None:
-        for hooks in ("step_pre", "step_post", "state_dict_pre", "state_dict_post",
-                      "load_state_dict_pre", "load_state_dict_post"):
-            setattr(self, f"_optimizer_{hooks}_hooks", OrderedDict())
-        self._optimizer = optimizer
-        pass_as_horovod_optimizer(self)
+        self._wrap(optimizer, HorovodCommunicator() if communicator is None else communicator)
         error = settings if isinstance(settings, Exception) else None
         named: List[Tuple[str, torch.Tensor]] = []
         if error is None:
             try:
-                named = _named_parameters(optimizer, named_parameters)
+                named = named_parameters_of(optimizer, named_parameters)
             except (ValueError, TypeError, NotImplementedError) as exc:
                 error = exc
-        self._comm = HorovodCommunicator() if communicator is None else communicator
         self._agree_on_arguments(error, lambda: {
-            "method": self.key, **dataclasses.asdict(settings), **self._comm.wire_settings(),
+            "method": self.key, **facts_of(settings), **self._comm.wire_settings(),
             "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in named]})
         self.settings = settings
         #: (name, parameter) of every parameter that can have a gradient, in
@@ -166,32 +139,18 @@ class BaselineOptimizer(LocalStep):
         self.step_count = 0
         #: Agrees on overflows at the end of backward (several ranks only).
         self.overflow = (OverflowAgreement([p for _, p in self.named_params], self._comm,
-                                           f"hvd_acp.{self.key}.overflow")
+                                           f"{self.section}.overflow")
                          if self._comm.size() > 1 else None)
-        self._finalizer = (weakref.finalize(self, self.overflow.remove)
-                           if self.overflow is not None else None)
+        if self.overflow is not None:
+            self._finalizer = weakref.finalize(self, self.overflow.remove)
         #: Seconds of the method's maths (transforms, selection, outer step).
         self.compression_seconds = 0.0
         self._checked = False
 
-    # -------------------------------------------------------------- agreement
-    def _agree_on_arguments(self, error: Optional[Exception], facts) -> None:
-        """The same error on every rank, or none: settings, backend and
-        parameters must be equal (they decide what is sent and its names)."""
-        comm = self._comm
-        if comm.size() == 1:
-            if error is not None:
-                raise error
-            return
-        agree(lambda obj: comm.allgather_object(obj, name=f"hvd_acp.{self.key}.validate"),
-              facts() if error is None else {}, error=error, rank=comm.rank(),
-              explain=self._describe_mismatch)
-
-    def _describe_mismatch(self, rank: int, gathered) -> ValueError:
-        reference, other = gathered[0]["facts"], gathered[rank]["facts"]
-        return ValueError(f"{type(self).__name__}: settings or parameters differ between ranks: "
-                          f"{describe_differences(reference, other, rank)}; pass the same "
-                          "model and arguments on every rank")
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.section = f"hvd_acp.{cls.key}"
+        cls.label = cls.__name__
 
     def _start_facts(self) -> Dict[str, Any]:
         """What every rank must hold equal when it starts training (subclasses)."""
@@ -203,8 +162,6 @@ class BaselineOptimizer(LocalStep):
         rank that skipped ``hvd.broadcast_parameters``, or a checkpoint loaded
         on some ranks only, would never agree again)."""
         self._checked = True
-        if self._comm.size() == 1:
-            return
 
         def explain(rank: int, gathered) -> RuntimeError:
             return RuntimeError(
@@ -212,93 +169,31 @@ class BaselineOptimizer(LocalStep):
                 f"({describe_differences(gathered[0]['facts'], gathered[rank]['facts'], rank)}). "
                 "Call hvd.broadcast_parameters(model.state_dict(), root_rank=0) on every rank "
                 "before training, and load a checkpoint on every rank")
-        agree(lambda obj: self._comm.allgather_object(obj, name=f"hvd_acp.{self.key}.start"),
-              self._start_facts(), explain=explain, rank=self._comm.rank())
+        self._agree_on_start(self._start_facts(), explain)
 
-    # ---------------------------------------------------------- the contract
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The wrapped torch optimizer."""
-        return self._optimizer
-
-    @property
-    def comm_stats(self) -> CommStats:
-        """Collectives launched and bytes sent and received by this rank."""
-        return self._comm.stats
-
-    @property
-    def parameter_names(self) -> Dict[torch.Tensor, str]:
-        """The name of every parameter of the wrapped optimizer (a copy)."""
-        return dict(self._parameter_names)
-
-    def __repr__(self) -> str:
-        return f"hvd_acp.{type(self).__name__}({self._optimizer!r})"
-
-    def add_param_group(self, param_group: dict) -> None:
-        raise NotImplementedError(
-            "add_param_group() after wrapping is not supported: add the group to the "
-            f"torch optimizer before creating {type(self).__name__}")
-
-    def close(self) -> None:
-        """Remove the gradient hooks (the overflow agreement) for good."""
-        if self._finalizer is not None:
-            self._finalizer()
-
-    def synchronize(self) -> None:
-        """Horovod's ``synchronize()``: nothing to wait for. ``p.grad`` holds
-        this rank's own gradient; the method communicates in ``step()``."""
-
-    @contextlib.contextmanager
-    def skip_synchronize(self):
-        """Horovod's context; ``step()`` never synchronizes gradients here."""
-        yield
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._optimizer.zero_grad(set_to_none=set_to_none)
-
-    def step(self, closure=None):
-        """One optimizer step of the method (a collective where it communicates)."""
-        if called_by_broadcast_optimizer_state():
-            return self._initialization_step(closure)
-        if closure is not None:
-            raise NotImplementedError(f"step(closure) is not supported by {type(self).__name__}")
+    def _step(self):
         if not self._checked:
             self._check_start()
-        result = self._step()
+        result = self._method_step()
         self.step_count += 1
         return result
 
-    def _initialization_step(self, closure):
-        """``hvd.broadcast_optimizer_state``'s step that creates the wrapped
-        optimizer's state, without communication and without moving the weights."""
-        return LocalStep.step(self, closure)
-
-    def _step(self):
+    def _method_step(self):
         raise NotImplementedError
 
     def _timed(self, started: float) -> None:
         self.compression_seconds += time.perf_counter() - started
 
     # ------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict:
-        """The wrapped optimizer's state dict plus this method's section
-        (``"hvd_acp.<key>"``), which a plain torch optimizer ignores."""
-        state = self._optimizer.state_dict()
-        if not called_by_broadcast_optimizer_state():
-            state[f"hvd_acp.{self.key}"] = dict(self._method_state(), step_count=self.step_count)
-        return state
+    def _section_state(self, for_broadcast: bool = False) -> dict:
+        return dict(self._method_state(), step_count=self.step_count)
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state dict of this class (or of the plain wrapped optimizer,
-        leaving the method's own state as it is). Load on every rank: the
-        next step checks that the ranks agree."""
-        state_dict = dict(state_dict)
-        section = state_dict.pop(f"hvd_acp.{self.key}", None)
-        self._optimizer.load_state_dict(state_dict)
-        if section is not None:
-            section = dict(section)
-            self.step_count = int(section.pop("step_count"))
-            self._load_method_state(section)
+    def _load_section(self, section: dict, from_broadcast: bool = False) -> None:
+        section = dict(section)
+        self.step_count = int(section.pop("step_count"))
+        self._load_method_state(section)
+
+    def _after_load(self) -> None:
         self._checked = False
 
     def _method_state(self) -> dict:

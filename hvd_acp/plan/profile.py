@@ -42,7 +42,7 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from ..autorank import parse_matrix_rank
 from ..codecs import PowerSGDFirst, codec_of

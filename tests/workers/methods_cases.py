@@ -96,7 +96,7 @@ def train(world: World, key: str) -> dict:
 
 
 def _analytic(model: nn.Module) -> int:
-    from hvd_acp.counting import powersgd_ddp_bytes_per_step
+    from hvd_acp.methods.counting import powersgd_ddp_bytes_per_step
     return powersgd_ddp_bytes_per_step(model, MATRIX_RANK)
 
 

@@ -11,7 +11,7 @@ sets it up for a model and a torch optimizer::
 The benchmark (its workers, tables and plots), the planner's method list and
 the scripts read :data:`REGISTRY`; a method declared here appears in all of
 them. Every factory returns counters (:meth:`Distributed.counters`): hvd_acp's
-own, or those :mod:`hvd_acp.counting` keeps for the implementations that keep
+own, or those :mod:`hvd_acp.methods.counting` keeps for the implementations that keep
 none. Horovod and ``torch.distributed`` are imported by the factories only.
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Distributed:
         optimizer: the optimizer to step.
         state: the DDP communication hook's state (None for Horovod's
             methods and for DDP without a hook).
-        counters: returns this rank's :class:`~hvd_acp.counting.Counters`
+        counters: returns this rank's :class:`~hvd_acp.methods.counting.Counters`
             so far: bytes handed to all-reduce, all-reduces launched,
             seconds of compression maths.
     """
@@ -221,8 +221,8 @@ def _powersgd_ddp(batched: bool):
     """Factory of torch's ``powerSGD_hook`` with ``batch_tensors_with_same_shape=batched``."""
     def factory(model, optimizer, *, matrix_rank, warmup_steps, ddp_options, **options):
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-        from .autorank import parse_matrix_rank
-        from .settings import Settings
+        from ..autorank import parse_matrix_rank
+        from ..settings import Settings
         # torch's hook takes one rank for every tensor: under "auto" it runs at
         # max_rank, the most bytes hvd_acp's auto rank ever sends.
         rank, _ = parse_matrix_rank(Settings(matrix_rank=matrix_rank).resolve(
