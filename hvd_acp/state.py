@@ -700,6 +700,7 @@ class CompressionState:
             for name, entry in saved.items() if name not in self.layouts}
         self._pending_keep_error = keep_error
         self.step_count = int(state["step_count"])
+        self._bases, self._bases_codec = {}, None       # made from the factors loaded
         # The residuals' units when saved (a checkpoint of an older version: 1).
         self.rescaling.unit = float(state.get("grad_unit", 1.0))
 

@@ -61,7 +61,7 @@ def register(model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
         RuntimeError: ``model`` has a communication hook already.
     """
     state = ACPState(named_parameters=model.module.named_parameters(), optimizer=optimizer,
-                     **settings.as_kwargs())
+                     settings=settings)
     try:
         model.register_comm_hook(state, acp_hook)
     except RuntimeError as exc:
