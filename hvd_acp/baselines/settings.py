@@ -1,4 +1,4 @@
-"""The settings of the two baselines, their defaults and their checks (pure Python).
+"""The settings of the two baselines, their defaults and their checks.
 
 The optimizers (:mod:`.diloco`, :mod:`.demo`), the registry of methods and
 the planner's cost model (:mod:`hvd_acp.plan.baselines`) read the defaults
@@ -8,26 +8,18 @@ from here. ``None`` for a setting means its default, as for
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 from typing import Optional
 
+from ..settings import is_int as _is_int
+from ..settings import is_number as _is_number
+
 __all__ = ["DiLoCoSettings", "DeMoSettings"]
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _with_defaults(settings):
     """``settings`` (a frozen dataclass) with each ``None`` replaced by its ``DEFAULTS`` entry."""
     return dataclasses.replace(settings, **{name: value for name, value in settings.DEFAULTS.items()
                                             if getattr(settings, name) is None})
-
-
-def _is_number(value) -> bool:
-    return (isinstance(value, numbers.Real) and not isinstance(value, bool)
-            and math.isfinite(value))
 
 
 @dataclasses.dataclass(frozen=True)
