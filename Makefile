@@ -26,7 +26,7 @@ clean:
 	rm -rf $(VENV) build *.egg-info
 
 # S-SGD vs Power-SGD vs ACP-SGD on the examples (2 ranks, 3 seeds on digits,
-# 1 on the language model); writes docs/convergence.md and docs/img/.
+# 1 on the language model); writes bench-results/compare/ (results.md and its pictures).
 .PHONY: compare
 compare: install
 	$(PY) scripts/compare.py --np $(NP)
@@ -36,6 +36,16 @@ compare: install
 .PHONY: grid
 grid: install
 	$(PY) scripts/compare.py --tasks grid
+
+# Every generated block of README.md and docs/, and the results.md pages
+# beside the studies' runs, from bench-results/ (scripts/docgen.py); docs-check
+# fails where a page is not what it would write (tests/test_docs.py runs it too).
+.PHONY: docs docs-check
+docs: install
+	$(PY) scripts/docgen.py
+
+docs-check: install
+	$(PY) scripts/docgen.py --check
 
 # A few steps of every method on a small model, 2 ranks, localhost (no emulation), 2 rounds.
 bench-smoke: install

@@ -1,72 +1,66 @@
-"""Rebuild the generated parts of docs/benchmarks.md, README.md and docs/ddp.md
-from bench-results/.
+"""The benchmark's generated blocks of docs/benchmarks.md, README.md and docs/ddp.md,
+rendered from bench-results/.
 
-    .venv/bin/python scripts/bench_doc.py
+    .venv/bin/python scripts/docgen.py --only bench      # these blocks, through the generator
+    .venv/bin/python scripts/bench_doc.py                # the same
 
 Each run directory under bench-results/ holds what ``python -m benchmarks
 --out DIR`` wrote: results.json, results.md (the run's full tables),
-breakdown.png and logs. The page links each run's results.md rather than
-copying it; between the markers below it carries only tables rendered from
-the runs' results.json by the benchmark's own report code, so that a number
-or a comparison there is the one of a run in the repository, and a method
-said to be faster than another is the verdict of that run's interval:
+breakdown.png and logs. The pages link each run's results.md rather than
+copying it; their generated blocks (scripts/docgen.py's registry, which
+takes them from :func:`blocks`) carry only tables rendered from the runs'
+results.json by the benchmark's own report code, so that a number or a
+comparison there is the one of a run in the repository, and a method said
+to be faster than another is the verdict of that run's interval:
 
-- ``<!-- targets -->`` ... ``<!-- end targets -->``: the targets, each met,
-  missed, or not separable from noise (:data:`TARGETS`), against the
-  communication-bound runs (:data:`TARGET_RUNS`);
-- ``<!-- runs -->`` ... ``<!-- end runs -->``: an index of the runs of
-  :data:`RUNS`, one row each (configuration, rounds, ACP-SGD's verdicts
-  against S-SGD and Power-SGD (hvd_acp), duration, links to its results.md
-  and breakdown picture), and every run's command as it runs from the
-  checkout today (:func:`shown_command`); the breakdown pictures are
-  plotted into docs/img/ as ``bench_<run>.png``;
-- ``<!-- time -->`` ... ``<!-- end time -->``: the diagnostic jobs of the
-  runs with rounds and ``--diagnostics`` (:data:`TIME_RUNS`);
-- ``<!-- baselines -->`` ... ``<!-- end baselines -->``: ACP-SGD against the
-  strongest baselines and its ablations (:data:`BASELINE_TARGETS` and
-  :data:`ABLATIONS` against :data:`BASELINE_RUNS`), and the operator calls
-  per step of the ``--count-ops`` runs (:data:`OPS_RUNS`).
+- ``runs`` (docs/benchmarks.md): an index of the runs of :data:`RUNS`, one
+  row each (configuration, rounds, ACP-SGD's verdicts against S-SGD and
+  Power-SGD (hvd_acp), duration, links to its results.md and breakdown
+  picture), and every run's command as it runs from the checkout today
+  (:func:`shown_command`); the breakdown pictures are drawn into docs/img/
+  as ``bench_<run>.png`` (:func:`figures`);
+- ``targets``: the targets, each met, missed, or not separable from noise
+  (:data:`TARGETS`), against the communication-bound runs (:data:`TARGET_RUNS`);
+- ``time``: the diagnostic jobs of the runs with rounds and ``--diagnostics``
+  (:data:`TIME_RUNS`);
+- ``baselines``: ACP-SGD against the strongest baselines and its ablations
+  (:data:`BASELINE_TARGETS` and :data:`ABLATIONS` against :data:`BASELINE_RUNS`),
+  and the operator calls per step of the ``--count-ops`` runs (:data:`OPS_RUNS`);
+- ``frontier``: DiLoCo and the DeMo-style method beside ACP-SGD (:data:`FRONTIER_RUNS`);
+- ``bench:readme`` (README.md): ACP-SGD against S-SGD and Power-SGD per
+  link (:data:`README_RUNS`), and against S-SGD with fp16 gradients;
+- ``bench:ddp`` (docs/ddp.md): the DDP hook against ``powerSGD_hook``
+  (:data:`DDP_RUNS`).
 
-README.md and docs/ddp.md quote the figures a user reads first, between
-``<!-- bench:readme -->`` ... ``<!-- end bench:readme -->`` (ACP-SGD against
-S-SGD and Power-SGD per link, :data:`README_RUNS`, and against S-SGD with
-fp16 gradients) and ``<!-- bench:ddp -->`` ... ``<!-- end bench:ddp -->``
-(the DDP hook against ``powerSGD_hook``, :data:`DDP_RUNS`), each figure
-beside a link to the results.md it comes from: tests/test_docs.py checks
-that these sections are what this script renders and that every figure
-quoted next to such a link is in the file it links.
+Each figure there sits beside a link to the results.md it comes from:
+tests/test_docs.py checks that every block is what this renders and that
+every figure quoted next to such a link is in the file it links.
 
-The hand-written parts around the markers are kept. A run ``DIR`` may have a
-second invocation of the same command in ``DIR_rerun``: the targets then say
-whether it passes ``python -m benchmarks check`` against ``DIR``. A
-results.json without rounds still renders (as one round, with no intervals
-and no verdicts); its targets read "not assessed".
+A run ``DIR`` may have a second invocation of the same command in
+``DIR_rerun``: the targets then say whether it passes ``python -m
+benchmarks check`` against ``DIR``. A results.json without rounds still
+renders (as one round, with no intervals and no verdicts); its targets read
+"not assessed".
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
 
 from benchmarks import check, report  # noqa: E402
 from benchmarks.__main__ import PROG  # noqa: E402
 from benchmarks.jobs import DIAGNOSTICS, FLOOR_JOB  # noqa: E402
+from docgen import NO_RUNS, Block, Figure, relative, replace_between, write  # noqa: E402
 from hvd_acp.methods import label  # noqa: E402
 
-RUNS_MARKERS = ("<!-- runs -->", "<!-- end runs -->")
-TARGETS_MARKERS = ("<!-- targets -->", "<!-- end targets -->")
-TIME_MARKERS = ("<!-- time -->", "<!-- end time -->")
-BASELINE_MARKERS = ("<!-- baselines -->", "<!-- end baselines -->")
-FRONTIER_MARKERS = ("<!-- frontier -->", "<!-- end frontier -->")
-README_MARKERS = ("<!-- bench:readme -->", "<!-- end bench:readme -->")
-DDP_MARKERS = ("<!-- bench:ddp -->", "<!-- end bench:ddp -->")
 RERUN_SUFFIX = "_rerun"
 #: How the older results.json files in bench-results/ name the benchmark's
 #: command (newer ones record :data:`PROG`); with the same options it runs from
@@ -310,7 +304,7 @@ def targets_table(results_dir: Path) -> List[str]:
     runs = [(run, title, load(results_dir, run)) for run, title in TARGET_RUNS]
     runs = [(run, title, results) for run, title, results in runs if results is not None]
     if not runs:
-        return ["No runs in bench-results/ yet."]
+        return [NO_RUNS]
     rows: List[Tuple[str, List[Optional[str]]]] = [
         (t.text, [t.judge(results) for _, _, results in runs]) for t in TARGETS]
     rows += [
@@ -373,7 +367,7 @@ def baselines_section(results_dir: Path) -> List[str]:
         for method in methods:
             cells = [results["methods"].get(method) or {} for _, _, results in ops]
             lines.append(f"| {label(method)} | " + " | ".join(_ops_cell(c) for c in cells) + " |")
-    return lines or ["No runs in bench-results/ yet."]
+    return lines or [NO_RUNS]
 
 
 def frontier_section(results_dir: Path, page: Path) -> List[str]:
@@ -405,7 +399,7 @@ def frontier_section(results_dir: Path, page: Path) -> List[str]:
                    f"{_ratio_text(ratio)}, {_verdict_word(ratio)}" if ratio else "n/a") + " |")
         lines.append("")
     if not lines:
-        return ["No runs in bench-results/ yet."]
+        return [NO_RUNS]
     return lines + [
         "DiLoCo sends every parameter once every H steps (500 here, its paper's): "
         "the timed steps are inner steps, and its bytes are that all-reduce over H "
@@ -454,8 +448,13 @@ def acp_against(results: Dict[str, Any], other: str) -> str:
     return f"{_ratio_text(ratio)}, {word}"
 
 
+def picture_of(img: Path, run: str) -> Path:
+    """Where :func:`figures` draws ``run``'s breakdown."""
+    return img / f"bench_{run.replace('-', '_')}.png"
+
+
 def runs_index(results_dir: Path, img: Path, doc: Path) -> List[str]:
-    """One row per run of :data:`RUNS`, then every run's command; plots the pictures."""
+    """One row per run of :data:`RUNS`, then every run's command."""
     lines = ["| run | model, batch per rank, ranks, link | rounds "
              "| ACP-SGD against S-SGD | ACP-SGD against Power-SGD (hvd_acp) | run took "
              "| outputs |",
@@ -464,14 +463,10 @@ def runs_index(results_dir: Path, img: Path, doc: Path) -> List[str]:
     for run, title in RUNS:
         results = load(results_dir, run)
         if results is None:
-            print(f"skipping {run}: no results.json", file=sys.stderr)
             continue
         config = results["config"]
-        picture = img / f"bench_{run.replace('-', '_')}.png"
-        picture.parent.mkdir(parents=True, exist_ok=True)
-        report.plot_breakdown(results, picture)
-        table = Path(os.path.relpath(results_dir / run / "results.md", doc.parent)).as_posix()
-        plot = Path(os.path.relpath(picture, doc.parent)).as_posix()
+        table = relative(results_dir / run / "results.md", doc)
+        plot = relative(picture_of(img, run), doc)
         seconds = results.get("duration_s")
         took = "not recorded" if seconds is None else f"{seconds / 60:.1f} min"
         lines.append(
@@ -481,7 +476,7 @@ def runs_index(results_dir: Path, img: Path, doc: Path) -> List[str]:
             f"| [results]({table}), [breakdown]({plot}) |")
         commands.append(shown_command(config.get("command", "")))
     if not commands:
-        return ["No runs in bench-results/ yet."]
+        return [NO_RUNS]
     return lines + [
         "", "ACP-SGD against another method: that method's step over ACP-SGD's, paired "
         "inside each round, median [interval of the median over the rounds], and the "
@@ -520,7 +515,7 @@ def time_table(results_dir: Path) -> List[str]:
 
 
 def _run_link(results_dir: Path, run: str, page: Path, text: str = "run") -> str:
-    target = Path(os.path.relpath(results_dir / run / "results.md", page.parent)).as_posix()
+    target = relative(results_dir / run / "results.md", page)
     return f"[{text}]({target})"
 
 
@@ -552,7 +547,7 @@ def readme_section(results_dir: Path, page: Path) -> List[str]:
             fp16.append(f"{acp_against(results, 'ssgd-fp16')}, on {title} "
                         f"({_run_link(results_dir, run, page)})")
     if len(lines) == 2:
-        return ["No runs in bench-results/ yet."]
+        return [NO_RUNS]
     lines += ["", "ACP-SGD against another method: that method's step over ACP-SGD's, the "
               "median over the rounds of the ratio paired inside each round [its interval]; "
               "faster or slower only where the interval excludes 1.0."]
@@ -586,7 +581,7 @@ def ddp_section(results_dir: Path, page: Path) -> List[str]:
             f"whose step in the same rounds is {_step(results, 'acp')}) and "
             f"{_ratio_text(compression)} its measured compression time.")
     if not sentences:
-        return ["No runs in bench-results/ yet."]
+        return [NO_RUNS]
     lines = []
     for sentence in sentences:
         lines += ["", sentence] if lines else [sentence]
@@ -594,12 +589,67 @@ def ddp_section(results_dir: Path, page: Path) -> List[str]:
 
 
 def replace_marked(text: str, markers: Tuple[str, str], lines: List[str], path: Path) -> str:
-    start, end = markers
-    if start not in text or end not in text:
-        raise SystemExit(f"{path}: markers {start} and {end} not found")
-    head, rest = text.split(start, 1)
-    tail = rest.split(end, 1)[1]
-    return head + start + "\n\n" + "\n".join(lines) + "\n\n" + end + tail
+    """scripts/docgen.py's :func:`~docgen.replace_between` (the planner's table
+    scripts import it from here)."""
+    return replace_between(text, markers, lines, path)
+
+
+def blocks(results_dir: Path, doc: Optional[Path] = None, readme: Optional[Path] = None,
+           ddp_doc: Optional[Path] = None, img: Optional[Path] = None) -> List[Block]:
+    """The benchmark's generated blocks for scripts/docgen.py: each page given
+    (all three by default) with its blocks, rendered from ``results_dir``."""
+    if doc is readme is ddp_doc is None:
+        doc, readme, ddp_doc = (REPO / "docs" / "benchmarks.md", REPO / "README.md",
+                                REPO / "docs" / "ddp.md")
+    img = img or REPO / "docs" / "img"
+    found: List[Block] = []
+    if readme is not None:
+        found.append(Block(_page(readme), "bench:readme", _source(results_dir, README_RUNS),
+                           lambda page: readme_section(results_dir, page)))
+    if ddp_doc is not None:
+        found.append(Block(_page(ddp_doc), "bench:ddp", _source(results_dir, DDP_RUNS),
+                           lambda page: ddp_section(results_dir, page)))
+    if doc is not None:
+        found += [
+            Block(_page(doc), "runs", _source(results_dir, RUNS),
+                  lambda page: runs_index(results_dir, img, page)),
+            Block(_page(doc), "targets", _source(results_dir, TARGET_RUNS),
+                  lambda page: targets_table(results_dir)),
+            Block(_page(doc), "time", _source(results_dir, TIME_RUNS),
+                  lambda page: time_table(results_dir)),
+            Block(_page(doc), "baselines", _source(results_dir, BASELINE_RUNS + OPS_RUNS),
+                  lambda page: baselines_section(results_dir)),
+        ]
+        # A page may leave the frontier out.
+        if doc.exists() and "<!-- frontier -->" in doc.read_text(encoding="utf-8"):
+            found.append(Block(_page(doc), "frontier", _source(results_dir, FRONTIER_RUNS),
+                               lambda page: frontier_section(results_dir, page)))
+    return found
+
+
+def figures(results_dir: Path, img: Path) -> List[Figure]:
+    """The breakdown picture of every run of :data:`RUNS` that exists."""
+    found = []
+    for run, _ in RUNS:
+        results = load(results_dir, run)
+        if results is not None:
+            found.append(Figure(_page(picture_of(img, run)), _source(results_dir, ((run, ""),)),
+                                lambda path, results=results: report.plot_breakdown(results,
+                                                                                    path)))
+    return found
+
+
+def _page(path: Path) -> str:
+    """``path`` as the registry names it: relative to the repository where it is inside."""
+    path = path.resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
+def _source(results_dir: Path, runs: Tuple[Tuple[str, str], ...]) -> str:
+    """The run directories a block is rendered from, as the registry lists them."""
+    names = [run for run, _ in runs]
+    return (_page(results_dir).rstrip("/") + "/"
+            + (names[0] if len(names) == 1 else "{" + ",".join(names) + "}") + "/")
 
 
 def main(argv=None) -> int:
@@ -616,24 +666,9 @@ def main(argv=None) -> int:
         args.doc = REPO / "docs" / "benchmarks.md"
         args.readme = args.readme or REPO / "README.md"
         args.ddp_doc = args.ddp_doc or REPO / "docs" / "ddp.md"
-    for page, markers, section in ((args.readme, README_MARKERS, readme_section),
-                                   (args.ddp_doc, DDP_MARKERS, ddp_section)):
-        if page is not None:
-            text = page.read_text(encoding="utf-8")
-            page.write_text(replace_marked(text, markers, section(args.results, page), page),
-                            encoding="utf-8")
-            print(f"wrote {page}")
-    text = args.doc.read_text(encoding="utf-8")
-    text = replace_marked(text, RUNS_MARKERS, runs_index(args.results, args.img, args.doc),
-                          args.doc)
-    text = replace_marked(text, TARGETS_MARKERS, targets_table(args.results), args.doc)
-    text = replace_marked(text, TIME_MARKERS, time_table(args.results), args.doc)
-    text = replace_marked(text, BASELINE_MARKERS, baselines_section(args.results), args.doc)
-    if all(marker in text for marker in FRONTIER_MARKERS):     # a page may leave it out
-        text = replace_marked(text, FRONTIER_MARKERS, frontier_section(args.results, args.doc),
-                              args.doc)
-    args.doc.write_text(text, encoding="utf-8")
-    print(f"wrote {args.doc}")
+    found = blocks(args.results, args.doc, args.readme, args.ddp_doc, args.img)
+    for path in write(found, (), figures(args.results, args.img)):
+        print(f"wrote {path}")
     return 0
 
 

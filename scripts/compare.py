@@ -1,4 +1,4 @@
-"""Compare S-SGD, Power-SGD and ACP-SGD on the example tasks; write docs/convergence.md.
+"""Compare S-SGD, Power-SGD and ACP-SGD on the example tasks; write bench-results/compare/.
 
     .venv/bin/python scripts/compare.py               # what `make compare` runs
     .venv/bin/python scripts/compare.py --tasks lm-sweep   # the LM's settings sweep
@@ -28,11 +28,13 @@ Tasks:
 
 Runs are interleaved by seed (all methods for seed 0, then seed 1, ...) so
 that a change in the machine's load hits every method alike. Each run writes
-its ``--summary`` JSON and its log under ``--results``; the report (tables,
-the exact commands, pictures under docs/img/) is built from those files
-only. The section of a task that is not run keeps its earlier text, and
-anything after the ``end of generated part`` marker is kept as written.
-``--report-only`` rebuilds the sections of ``--tasks`` from earlier results.
+its ``--summary`` JSON and its log under ``--results`` (default
+``bench-results/compare/``); the report (``--doc``, default ``results.md``
+there: tables, the exact commands, pictures beside it) is built from those
+files only, with the date and the host it was made on. The section of a task
+that is not run keeps its earlier text (each between scripts/docgen.py's
+markers, ``<!-- compare:TASK -->``). ``--report-only`` rebuilds the sections
+of ``--tasks`` from earlier results.
 """
 from __future__ import annotations
 
@@ -54,7 +56,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-END_MARKER = "<!-- end of generated part -->"
+sys.path.insert(0, str(REPO / "scripts"))
+RESULTS = REPO / "bench-results" / "compare"
 
 from hvd_acp.methods import HOROVOD, REGISTRY  # noqa: E402
 
@@ -195,10 +198,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="seeds of the digits runs (default: %(default)s)")
     parser.add_argument("--lm-seeds", type=int, nargs="+", default=[0],
                         help="seeds of the language-model runs (default: %(default)s)")
-    parser.add_argument("--results", type=Path, default=REPO / "results" / "compare",
-                        help="summaries and logs of every run (default: results/compare)")
-    parser.add_argument("--doc", type=Path, default=REPO / "docs" / "convergence.md")
-    parser.add_argument("--img", type=Path, default=REPO / "docs" / "img")
+    parser.add_argument("--results", type=Path, default=RESULTS,
+                        help="summaries and logs of every run (default: bench-results/compare)")
+    parser.add_argument("--doc", type=Path, default=None,
+                        help="the report (default: results.md under --results)")
+    parser.add_argument("--img", type=Path, default=None,
+                        help="its pictures (default: --results)")
     parser.add_argument("--timeout", type=float, default=1200,
                         help="seconds before a run is killed (default: %(default)s)")
     parser.add_argument("--only", metavar="REGEX",
@@ -217,6 +222,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(str(exc))
     if args.bandwidth_mbit is None:
         parser.error("--bandwidth must be a rate such as 100mbit")
+    args.doc = args.doc or args.results / "results.md"
+    args.img = args.img or args.results
     return args
 
 
@@ -754,22 +761,23 @@ def section_text(task: Task, args) -> Optional[str]:
 
 
 def _sections_of(text: str) -> Dict[str, str]:
-    return dict(re.findall(r"<!-- section: ([\w-]+) -->\n(.*?)<!-- end section: \1 -->",
+    """The sections of an earlier report, by task."""
+    return dict(re.findall(r"<!-- compare:([\w-]+) -->\n\n(.*?)\n\n<!-- end compare:\1 -->",
                            text, flags=re.S))
 
 
-INTRO = """# Convergence: S-SGD, Power-SGD and ACP-SGD on real data
+INTRO = """# S-SGD, Power-SGD and ACP-SGD on the example tasks
 
-Each method runs the same example script with the same seeds and
-hyper-parameters; only `--optimizer` (and the flags shown) change. Bytes are
-what each rank handed to gradient all-reduces: counted by hvd_acp's
-`comm_stats` for Power-SGD and ACP-SGD, one full fp32 gradient per step for
-S-SGD (`hvd.DistributedOptimizer`). Over loopback, wall times come from a
-2-core machine with no network in the way: they are noisy and say nothing
-about speed on a real network. The digits runs over an emulated link (each
-rank in its own network namespace behind a rate-limited interface, as in the
-benchmarks) show accuracy against wall time where the network is the
-bottleneck.
+Made by `scripts/compare.py`. Each method runs the same example script with
+the same seeds and hyper-parameters; only `--optimizer` (and the flags shown)
+change. Bytes are what each rank handed to gradient all-reduces: counted by
+hvd_acp's `comm_stats` for Power-SGD and ACP-SGD, one full fp32 gradient per
+step for S-SGD (`hvd.DistributedOptimizer`). Over loopback, wall times come
+from the host named in each section with no network in the way: they are
+noisy and say nothing about speed on a real network. The digits runs over an
+emulated link (each rank in its own network namespace behind a rate-limited
+interface, as in the benchmarks) show accuracy against wall time where the
+network is the bottleneck.
 
 Reproduce with `make compare` (digits, digits over a 100 Mbit/s link when
 run as root, and the LM) and `.venv/bin/python scripts/compare.py --tasks
@@ -778,20 +786,20 @@ lm-sweep` (the LM sweep).
 
 
 def write_report(tasks: List[Task], args) -> None:
+    from docgen import markers
     old = args.doc.read_text(encoding="utf-8") if args.doc.exists() else ""
     sections = _sections_of(old)
     for task in tasks:
         text = section_text(task, args)
         if text is not None:
-            sections[task.name] = text
+            sections[task.name] = text.strip("\n")
     parts = [INTRO]
     for name in SECTIONS:
         if name in sections:
-            parts.append(f"<!-- section: {name} -->\n{sections[name]}"
-                         f"<!-- end section: {name} -->\n")
-    tail = old.split(END_MARKER, 1)[1] if END_MARKER in old else "\n"
+            start, end = markers(f"compare:{name}")
+            parts.append(f"{start}\n\n{sections[name]}\n\n{end}\n")
     args.doc.parent.mkdir(parents=True, exist_ok=True)
-    args.doc.write_text("\n".join(parts) + END_MARKER + tail, encoding="utf-8")
+    args.doc.write_text("\n".join(parts), encoding="utf-8")
     print(f"[compare] wrote {_rel(args.doc)}", flush=True)
 
 

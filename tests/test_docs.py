@@ -1,15 +1,12 @@
 """Docs that cannot drift from the runs and the code they describe.
 
-- The sections of README.md, docs/ddp.md and docs/benchmarks.md's frontier
-  that scripts/bench_doc.py writes are what it writes from bench-results/ today.
+- Every generated block and page is what scripts/docgen.py writes from
+  bench-results/ today (its --check, in process).
 - Every figure quoted beside a link to a run's file in bench-results/ is in
   that file; a figure with an interval cites one.
 - docs/algorithm.md's layout table names every module of the package.
 - One advice on the rank everywhere, matching the default.
-- The AdamW summary of README.md and docs/guide.md is what
-  scripts/lm_study.py writes from bench-results/lm_adam/ today.
 """
-import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -29,24 +26,15 @@ RATIO = re.compile(r"\d+\.\d+x \[\d+\.\d+, \d+\.\d+\]")
 FIGURE = re.compile(r"(?<![\w.])\d+\.\d+(?!\d|\.\d)")
 
 
-def load_script(name, alias):
-    spec = importlib.util.spec_from_file_location(alias, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module          # dataclasses look it up
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
-def bench_doc():
-    yield load_script("bench_doc", "bench_doc_pages")
-    del sys.modules["bench_doc_pages"]
-
-
-@pytest.fixture(scope="module")
-def lm_study():
-    yield load_script("lm_study", "lm_study_pages")
-    del sys.modules["lm_study_pages"]
+def scripts():
+    """scripts/ importable: the generator and the studies' registries."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import docgen
+    import lm_report
+    import lm_study
+    yield type("Scripts", (), {"docgen": docgen, "lm_report": lm_report, "lm_study": lm_study})
+    sys.path.remove(str(REPO / "scripts"))
 
 
 def units(text: str):
@@ -90,47 +78,44 @@ def test_a_figure_missing_from_its_run_is_caught(tmp_path):
     assert found == ["4.79", "4.54", "4.99", "6.83x [6.62, 7.08]"]
 
 
-@pytest.mark.parametrize("page, markers, section", [
-    ("README.md", "README_MARKERS", "readme_section"),
-    ("docs/ddp.md", "DDP_MARKERS", "ddp_section"),
-    ("docs/benchmarks.md", "FRONTIER_MARKERS", "frontier_section"),
-])
-def test_generated_sections_are_current(bench_doc, page, markers, section):
-    path = REPO / page
-    text = path.read_text(encoding="utf-8")
-    lines = getattr(bench_doc, section)(REPO / "bench-results", path)
-    assert "No runs in bench-results/ yet." not in lines
-    rendered = bench_doc.replace_marked(text, getattr(bench_doc, markers), lines, path)
-    assert rendered == text, f"{page} is not what scripts/bench_doc.py writes: run it"
+def test_every_generated_block_is_current(scripts):
+    """scripts/docgen.py --check, in process: every block of every page and
+    every generated results.md is what the generator renders today."""
+    blocks, pages, _ = scripts.docgen.registry()
+    assert {b.page for b in blocks} >= {"README.md", "docs/guide.md", "docs/ddp.md",
+                                        "docs/benchmarks.md", "docs/convergence.md",
+                                        "docs/planner.md"}
+    rendered = scripts.docgen.render(blocks, pages)
+    assert not any(scripts.docgen.NO_RUNS in text for text in rendered.values())
+    assert scripts.docgen.differences(rendered) == [], "run scripts/docgen.py"
 
 
-@pytest.mark.parametrize("page, prefix", [("README.md", ""), ("docs/guide.md", "../")])
-def test_the_adamw_summary_is_current(lm_study, page, prefix, tmp_path):
-    path = REPO / page
-    copy = tmp_path / path.name
-    copy.write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
-    lm_study.write_summary(copy, prefix=prefix)
-    written = copy.read_text(encoding="utf-8")
-    assert lm_study.SUMMARY_MARKERS[0] in written
-    assert "ACP-SGD defaults vs S-SGD" in written
-    assert written == path.read_text(encoding="utf-8"), \
-        f"{page} is not what scripts/lm_study.py --report-only writes: run it"
+def test_the_check_catches_a_block_edited_by_hand(scripts, tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("intro\n<!-- demo -->\n\n| a | 1.50 |\n\n<!-- end demo -->\nend\n")
+    block = scripts.docgen.Block(str(page), "demo", "nowhere", lambda path: ["| a | 1.50 |"])
+    assert scripts.docgen.differences(scripts.docgen.render([block])) == []
+    page.write_text(page.read_text().replace("1.50", "1.55"))
+    assert len(scripts.docgen.differences(scripts.docgen.render([block]))) == 1
+    with pytest.raises(SystemExit, match="<!-- other -->"):
+        scripts.docgen.replace_section(page.read_text(), "other", [], page)
 
 
-def test_time_to_a_target_interpolates_and_adds_dilocos_outer_step(lm_study):
+def test_time_to_a_target_interpolates_and_adds_dilocos_outer_step(scripts):
     from hvd_acp.plan.cost import Network, allreduce_s
+    report = scripts.lm_report
     curve = ([0, 100, 200], [5.0, 2.0, 1.0])
-    assert lm_study.steps_to(curve, 1.5) == pytest.approx(150.0)
-    assert lm_study.steps_to(curve, 2.0) == pytest.approx(100.0)
-    assert lm_study.steps_to(curve, 0.5) is None
+    assert report.steps_to(curve, 1.5) == pytest.approx(150.0)
+    assert report.steps_to(curve, 2.0) == pytest.approx(100.0)
+    assert report.steps_to(curve, 0.5) is None
     bench = {"config": {"np": 4, "bandwidth_mbit": 100.0},
              "methods": {"diloco": {"step_s_median": 0.2, "gradient_bytes": 1e6},
                          "acp": {"step_s_median": 0.1, "gradient_bytes": 1e6}}}
-    assert lm_study.link_step_s(bench, "acp", None) == 0.1
-    assert lm_study.link_step_s(bench, "ssgd", None) is None
+    assert report.link_step_s(bench, "acp", None) == 0.1
+    assert report.link_step_s(bench, "ssgd", None) is None
     outer = allreduce_s(1e6, 4, Network(bandwidth_mbit=100.0))
     assert outer > 0.1          # 1 MB over a 100 Mbit/s ring of 4
-    assert lm_study.link_step_s(bench, "diloco", 10) == pytest.approx(0.2 + outer / 10)
+    assert report.link_step_s(bench, "diloco", 10) == pytest.approx(0.2 + outer / 10)
 
 
 def test_the_layout_table_names_every_module():
@@ -166,10 +151,11 @@ def test_the_rank_advice_matches_the_defaults():
     assert RANK_ADVICE in " ".join(Settings.__doc__.split())
 
 
-def test_every_recipe_runs_its_own_flags(lm_study):
+def test_every_recipe_runs_its_own_flags(scripts):
     """A label both a recipe and the frontier name (such as "ACP-SGD, rank 4")
     runs with the recipe's flags: scripts/trainer_lm.py takes --method, the
     frontier's Horovod scripts --optimizer."""
+    lm_study = scripts.lm_study
     for recipe in lm_study.RECIPES:
         for label, flags in {**recipe.extra_methods, **recipe.methods}.items():
             run = lm_study.Run(recipe, label, "1e-3", 0)

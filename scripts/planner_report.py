@@ -1,0 +1,52 @@
+"""docs/planner.md's generated blocks, for scripts/docgen.py.
+
+The tables come from the planner's own scripts, as they print them:
+
+- ``planval``: ``scripts/plan_vs_bench.py``, the planner's defaults against
+  the benchmark runs, from ``bench-results/planval/defaults/defaults.json``;
+- ``validation``: ``scripts/validation_table.py``, the calibrated
+  predictions against the runs, from ``bench-results/validation/*/validate.json``;
+- ``paper``: ``scripts/paper_projection.py``, the paper's settings projected
+  from the committed profiles in ``bench-results/profiles/``, at that
+  script's default GPU (:data:`PAPER_GPU`).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import List
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+from docgen import Block  # noqa: E402
+
+PAGE = "docs/planner.md"
+#: ``scripts/paper_projection.py``'s defaults: ``--gpu-tflops``, ``--utilisation``.
+PAPER_GPU = (15.7, 0.4)
+
+
+def planval(page: Path) -> List[str]:
+    import plan_vs_bench
+    found = json.loads((REPO / "bench-results/planval/defaults/defaults.json").read_text())
+    return plan_vs_bench.markdown(found).split("\n")
+
+
+def validation(page: Path) -> List[str]:
+    import validation_table
+    rows = [row for path in sorted((REPO / "bench-results" / "validation").glob("*/validate.json"))
+            for row in json.loads(path.read_text())]
+    return ["\n".join(validation_table.table(rows) + [""]
+                      + [f"- {line}" for line in validation_table.summary(rows)])]
+
+
+def paper(page: Path) -> List[str]:
+    import paper_projection
+    return paper_projection.markdown(paper_projection.project(*PAPER_GPU), *PAPER_GPU)
+
+
+def blocks() -> List[Block]:
+    return [Block(PAGE, "planval", "bench-results/planval/defaults/", planval),
+            Block(PAGE, "validation", "bench-results/validation/", validation),
+            Block(PAGE, "paper", "bench-results/profiles/", paper)]
