@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 2 examples/train_ddp.py --hook acp
 
 The DDP twin of ``train.py`` (same data, model, schedule and summary); the
-only line that differs between the three runs is the hook::
+only line that differs between the three runs is the hook (``--hook``, in
+``main``)::
 
     model = DDP(model)                                              # allreduce
     model.register_comm_hook(PowerSGDState(None, 4, 2), powerSGD_hook)  # powersgd
@@ -24,18 +25,20 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
+import hvd_acp.ddp
 from common import (ByteMeter, DigitsCNN, TorchCollectives, add_training_args, finish_run,
                     gradient_bytes, load_digits_split)
+from hvd_acp import Settings
 from hvd_acp.comm import leave_process_group
 
 HOOKS = ("allreduce", "powersgd", "acp")
@@ -52,7 +55,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--weight-decay", type=float, default=1e-4, help="SGD weight decay")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cpu: Gloo; cuda: NCCL, GPU LOCAL_RANK")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.step_ahead is not None and args.hook != "acp":
+        raise SystemExit("--step-ahead only applies to --hook acp")
+    if args.warmup_steps and args.hook == "allreduce":
+        raise SystemExit("--warmup-steps only applies to --hook acp or powersgd")
+    return args
 
 
 class PowerSGDCounter:
@@ -77,39 +85,6 @@ class PowerSGDCounter:
         dense_steps = min(self.state.iter, self.state.start_powerSGD_iter)
         return (dense_steps * self.dense_bytes
                 + self.state.total_numel_after_compression * self.element_size)
-
-
-def register_hook(name: str, model: DDP, optimizer: torch.optim.Optimizer, *,
-                  matrix_rank, warmup_steps: int, seed: int,
-                  step_ahead: Optional[float] = None):
-    """The swap: register ``name``'s communication hook on ``model``.
-
-    Returns what the byte count reads (``comm_stats``), or None for plain
-    averaging, which sends every gradient once per step.
-    """
-    if step_ahead is not None and name != "acp":
-        raise SystemExit("--step-ahead only applies to --hook acp")
-    if name == "allreduce":
-        if warmup_steps:
-            raise SystemExit("--warmup-steps only applies to --hook acp or powersgd")
-        return None
-    if name == "powersgd":
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-        # torch needs at least 2 plain iterations before compressing (its
-        # state is keyed by bucket, and DDP rebuilds buckets after the first).
-        # torch's hook takes one int rank: the library's default for this optimizer.
-        from hvd_acp import Settings
-        rank = Settings(matrix_rank=matrix_rank).resolve(optimizer).matrix_rank
-        state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
-                                   start_powerSGD_iter=max(2, warmup_steps), random_seed=seed)
-        model.register_comm_hook(state, psgd.powerSGD_hook)
-        return PowerSGDCounter(state, model.module)
-    import hvd_acp.ddp
-    extra = {} if step_ahead is None else {"step_ahead": step_ahead}
-    state = hvd_acp.ddp.ACPState(matrix_rank=matrix_rank, warmup_steps=warmup_steps, seed=seed,
-                                 optimizer=optimizer, **extra)
-    model.register_comm_hook(state, hvd_acp.ddp.acp_hook)
-    return state
 
 
 @torch.no_grad()
@@ -154,9 +129,26 @@ def main(argv=None) -> dict:
     lr = args.lr * size
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
-    counter = register_hook(args.hook, model, optimizer, matrix_rank=args.matrix_rank,
-                            warmup_steps=args.warmup_steps, seed=args.seed,
-                            step_ahead=args.step_ahead)
+
+    # The swap; ``counter`` is what the byte count reads (``comm_stats``).
+    if args.hook == "allreduce":
+        counter = None          # DDP's own averaging: every gradient once per step
+    elif args.hook == "powersgd":
+        # torch needs at least 2 plain iterations before compressing (its
+        # state is keyed by bucket, and DDP rebuilds buckets after the first);
+        # its hook takes one int rank: the library's default for this optimizer.
+        matrix_rank = Settings(matrix_rank=args.matrix_rank).resolve(optimizer).matrix_rank
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=matrix_rank,
+            start_powerSGD_iter=max(2, args.warmup_steps), random_seed=args.seed)
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        counter = PowerSGDCounter(state, module)
+    elif args.hook == "acp":
+        state = hvd_acp.ddp.ACPState(matrix_rank=args.matrix_rank,
+                                     warmup_steps=args.warmup_steps, seed=args.seed,
+                                     optimizer=optimizer, step_ahead=args.step_ahead)
+        model.register_comm_hook(state, hvd_acp.ddp.acp_hook)
+        counter = state
     meter = ByteMeter(counter, module)
 
     if is_root:
