@@ -199,7 +199,14 @@ class Settings:
     @classmethod
     def of(cls, settings: Optional["Settings"] = None, **keywords) -> "Settings":
         """A front end's ``settings=`` beside its keywords: ``settings`` with
-        the keywords given (not None) on top, or the keywords alone."""
+        the keywords given (not None) on top, or the keywords alone.
+
+        Every front end takes ACP-SGD's settings this way: one
+        ``settings=hvd_acp.Settings(...)``, or any of its fields by name
+        (``matrix_rank=4``, ``step_ahead=0``, ...), the names given winning
+        over ``settings``; ``None`` is the library's default. A name that is
+        not a field raises ``TypeError``.
+        """
         given = {key: value for key, value in keywords.items() if value is not None}
         if settings is None:
             return cls(**given)

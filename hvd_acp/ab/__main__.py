@@ -27,7 +27,7 @@ import torch
 from ..methods import HOROVOD, KEYS, TORCHRUN, get
 from ..plan.models import (add_model_arguments, build_model, default_batch_size,
                            default_matrix_rank)
-from ..plan.units import positive_int
+from ..plan.units import add_count, positive_int
 from . import report
 from .runner import Settings, measure
 from .world import start
@@ -57,10 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=positive_int, default=6,
                    help="rounds, every method once per round (default 6: the fewest "
                         "that give a 95%% interval)")
-    p.add_argument("--steps", type=positive_int, default=5,
-                   help="timed steps per method and round (default 5)")
-    p.add_argument("--warmup", type=int, default=3,
-                   help="untimed steps before them (default 3)")
+    add_count(p, "--steps", 5, "timed steps per method and round")
+    add_count(p, "--warmup", 3, "untimed steps before them", minimum=0)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch threads per rank on CPUs (default: the node's cores over "

@@ -56,12 +56,7 @@ NO_DDP = {
 
 
 def register_acp(accelerator: Accelerator, model: DistributedDataParallel, optimizer, *,
-                 settings: Optional[Settings] = None,
-                 matrix_rank=None, min_compression_rate: Optional[float] = None,
-                 warmup_steps: Optional[int] = None, seed: Optional[int] = None,
-                 step_ahead: Optional[float] = None,
-                 fp16_wire: Optional[bool] = None,
-                 both_factors: Optional[bool] = None) -> ACPState:
+                 settings: Optional[Settings] = None, **named) -> ACPState:
     """Train ``model`` with ACP-SGD: register :func:`hvd_acp.ddp.acp_hook` on it.
 
     Call it on every process, after ``accelerator.prepare(...)`` and before
@@ -72,11 +67,8 @@ def register_acp(accelerator: Accelerator, model: DistributedDataParallel, optim
         model: the ``DistributedDataParallel`` module ``prepare()`` returned.
         optimizer: the prepared optimizer (or the torch optimizer inside it)
             that updates ``model``'s parameters.
-        matrix_rank, min_compression_rate, warmup_steps, seed, step_ahead, fp16_wire,
-        both_factors:
-            as for every front end (:class:`hvd_acp.Settings` says what to
-            tune; ``None``: the library's default); or ``settings=`` one
-            :class:`hvd_acp.Settings` (the names given win).
+        settings, **named: ACP-SGD's settings, as every front end takes them
+            (:meth:`hvd_acp.Settings.of`).
 
     Returns:
         The hook's :class:`~hvd_acp.ddp.ACPState`: ``comm_stats.bytes_sent``
@@ -88,10 +80,7 @@ def register_acp(accelerator: Accelerator, model: DistributedDataParallel, optim
         TypeError: ``optimizer`` holds no torch optimizer.
         RuntimeError: ``model`` has a communication hook already.
     """
-    settings = Settings.of(settings, matrix_rank=matrix_rank,
-                           min_compression_rate=min_compression_rate, warmup_steps=warmup_steps,
-                           seed=seed, step_ahead=step_ahead, fp16_wire=fp16_wire,
-                           both_factors=both_factors)
+    settings = Settings.of(settings, **named)
     kind = accelerator.distributed_type
     launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if kind is DistributedType.NO and launched > 1:

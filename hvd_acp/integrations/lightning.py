@@ -51,11 +51,8 @@ class ACPCallback(pl.Callback):
     """Trains a ``strategy="ddp"`` Lightning run with ACP-SGD.
 
     Args:
-        matrix_rank, min_compression_rate, warmup_steps, seed, step_ahead, fp16_wire,
-        both_factors:
-            as for every front end (:class:`hvd_acp.Settings` says what to
-            tune; ``None``: the library's default); or ``settings=`` one
-            :class:`hvd_acp.Settings` (the names given win); checked here.
+        settings, **named: ACP-SGD's settings, as every front end takes them
+            (:meth:`hvd_acp.Settings.of`); checked here.
 
     Attributes:
         state: the :class:`~hvd_acp.ddp.ACPState` of the current (or last)
@@ -69,15 +66,8 @@ class ACPCallback(pl.Callback):
     """
 
     def __init__(self, matrix_rank=None, *, settings: Optional[Settings] = None,
-                 min_compression_rate: Optional[float] = None,
-                 warmup_steps: Optional[int] = None, seed: Optional[int] = None,
-                 step_ahead: Optional[float] = None,
-                 fp16_wire: Optional[bool] = None,
-                 both_factors: Optional[bool] = None) -> None:
-        self.settings = Settings.of(settings, matrix_rank=matrix_rank,
-                                    min_compression_rate=min_compression_rate,
-                                    warmup_steps=warmup_steps, seed=seed, step_ahead=step_ahead,
-                                    fp16_wire=fp16_wire, both_factors=both_factors)
+                 **named) -> None:
+        self.settings = Settings.of(settings, matrix_rank=matrix_rank, **named)
         self.state: Optional[ACPState] = None
         #: A checkpoint's state, loaded into the next fit's ACPState.
         self._to_load: Optional[Dict[str, Any]] = None

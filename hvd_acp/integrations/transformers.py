@@ -57,31 +57,21 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_FOLDER = "checkpoint-{step}"
 
 
-def register_acp(trainer: Trainer, *, settings: Optional[Settings] = None, matrix_rank=None,
-                 min_compression_rate: Optional[float] = None,
-                 warmup_steps: Optional[int] = None, seed: Optional[int] = None,
-                 step_ahead: Optional[float] = None,
-                 fp16_wire: Optional[bool] = None,
-                 both_factors: Optional[bool] = None) -> "ACPCallback":
+def register_acp(trainer: Trainer, *, settings: Optional[Settings] = None,
+                 **named) -> "ACPCallback":
     """Make ``trainer.train()`` train with ACP-SGD; returns the callback added.
 
     Args:
         trainer: a ``transformers.Trainer`` (or subclass) whose processes
             train with DDP (launched by ``torchrun`` or ``accelerate launch``).
-        matrix_rank, min_compression_rate, warmup_steps, seed, step_ahead, fp16_wire,
-        both_factors:
-            as for every front end (:class:`hvd_acp.Settings` says what to
-            tune; ``None``: the library's default); or ``settings=`` one
-            :class:`hvd_acp.Settings` (the names given win).
+        settings, **named: ACP-SGD's settings, as every front end takes them
+            (:meth:`hvd_acp.Settings.of`).
 
     Raises:
         ValueError: the Trainer trains without a DDP module (one process,
             ``nn.DataParallel``, FSDP, DeepSpeed, ...).
     """
-    settings = Settings.of(settings, matrix_rank=matrix_rank,
-                           min_compression_rate=min_compression_rate, warmup_steps=warmup_steps,
-                           seed=seed, step_ahead=step_ahead, fp16_wire=fp16_wire,
-                           both_factors=both_factors)
+    settings = Settings.of(settings, **named)
     if getattr(trainer, "is_deepspeed_enabled", False):
         raise ValueError("register_acp cannot train with DeepSpeed: "
                          + NO_DDP[DistributedType.DEEPSPEED])

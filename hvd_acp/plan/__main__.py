@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from .models import add_model_arguments, default_batch_size
-from .units import number_type, parse_bandwidth_list, parse_int_list, positive_int
+from .units import add_count, number_type, parse_bandwidth_list, parse_int_list, positive_int
 
 SUBCOMMANDS = ("profile", "predict", "validate")
 
@@ -29,6 +29,12 @@ SUBCOMMANDS = ("profile", "predict", "validate")
 _positive_float = number_type(float, lambda v: v > 0, "a positive number")
 _non_negative_float = number_type(float, lambda v: v >= 0, "a number >= 0")
 
+
+
+def _link_calibration(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--link-calibration``: a file of ``python -m benchmarks calibrate-link``."""
+    parser.add_argument("--link-calibration", type=Path, default=None,
+                        help=f"a link calibration (python -m benchmarks calibrate-link) {what}")
 
 def _add_model_args(p: argparse.ArgumentParser, required: bool) -> None:
     add_model_arguments(p, required=required, what=", profiled on this machine")
@@ -46,10 +52,9 @@ def _add_model_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--no-horovod-thread", action="store_true",
                    help="profile the ranks without Horovod initialized (default: with its "
                         "background thread alive, where Horovod is installed)")
-    p.add_argument("--steps", type=positive_int, default=3, help="timed profiling steps (default 3)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
-    p.add_argument("--repeats", type=positive_int, default=3,
-                   help="timed calls of each compression kernel (default 3)")
+    add_count(p, "--steps", 3, "timed profiling steps")
+    add_count(p, "--warmup", 1, "untimed steps first", minimum=0)
+    add_count(p, "--repeats", 3, "timed calls of each compression kernel")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,10 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     pred.add_argument("--no-tcp-stack", action="store_true",
                       help="charge no network stack CPU work (default on a CPU profile: this "
                            "host's TCP over loopback, measured by the profile)")
-    pred.add_argument("--link-calibration", type=Path, default=None,
-                      help="a link calibration (python -m benchmarks calibrate-link): add "
-                           "its network stack's CPU cost per byte to every all-reduce, "
-                           "instead of the profile's TCP over loopback")
+    _link_calibration(pred, "add its network stack's CPU cost per byte to every all-reduce, "
+                            "instead of the profile's TCP over loopback")
     pred.add_argument("--host-serial", action=argparse.BooleanOptionalAction, default=None,
                       help="the collectives' host work delays computation (no spare core per "
                            "rank, e.g. a CPU cluster with a rank per core; default: where the "
@@ -115,10 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("--profile", type=Path, default=None,
                      help="a profile of the run's model and batch (default: profile it here, "
                           "once per distinct model, batch and rank)")
-    val.add_argument("--link-calibration", type=Path, default=None,
-                     help="a link calibration of this machine (python -m benchmarks "
-                          "calibrate-link): the emulated network's CPU cost per byte, added "
-                          "to every all-reduce")
+    _link_calibration(val, "of this machine: the emulated network's CPU cost per byte, "
+                           "added to every all-reduce")
     val.add_argument("--no-calibration", action="store_true",
                      help="use the profile's times as they are (no floor-based scale)")
     val.add_argument("--max-error", type=_positive_float, default=None,

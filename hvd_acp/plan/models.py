@@ -98,7 +98,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default: str = None,
                         required: bool = False, what: str = "") -> None:
     """``--model``, ``--batch-size``, ``--matrix-rank``, ``--image-size`` and
     ``--seq-len``, as the planner and the A/B tool take them."""
-    from .units import matrix_rank_type, positive_int
+    from .units import add_count, matrix_rank_type, positive_int
 
     def model_name(text: str) -> str:
         try:
@@ -119,10 +119,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default: str = None,
     parser.add_argument("--matrix-rank", type=matrix_rank_type, default=None,
                         help="factor rank, or 'auto' for a rank per tensor (default: 32 for "
                              "bert-base, 4 otherwise)")
-    parser.add_argument("--image-size", type=positive_int, default=128,
-                        help="resnet50's input height and width (default 128)")
-    parser.add_argument("--seq-len", type=positive_int, default=64,
-                        help="bert-base's tokens per sequence (default 64)")
+    add_count(parser, "--image-size", 128, "resnet50's input height and width")
+    add_count(parser, "--seq-len", 64, "bert-base's tokens per sequence")
 
 
 def default_matrix_rank(model: str) -> int:

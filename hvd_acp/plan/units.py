@@ -8,7 +8,7 @@ import re
 from typing import Any, Callable, List, Optional
 
 __all__ = ["parse_bandwidth", "parse_bandwidth_list", "parse_int_list", "number_type",
-           "positive_int", "matrix_rank_type"]
+           "positive_int", "matrix_rank_type", "add_count"]
 
 _UNITS = {"bit": 1e-6, "kbit": 1e-3, "mbit": 1.0, "gbit": 1e3, "tbit": 1e6}
 _BANDWIDTH = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?bit)\s*$",
@@ -108,3 +108,10 @@ def matrix_rank_type(text: str):
         return share
     raise argparse.ArgumentTypeError(
         f"must be a positive int, a share in (0, 1) or 'auto', got {text!r}")
+
+
+def add_count(parser, flag: str, default: int, what: str, minimum: int = 1) -> None:
+    """A count flag of the command-line tools: ``flag`` (an int >= ``minimum``,
+    default ``default``), its help ``what`` with the default said once."""
+    kind = positive_int if minimum >= 1 else int
+    parser.add_argument(flag, type=kind, default=default, help=f"{what} (default {default})")
