@@ -1,13 +1,11 @@
-"""Pieces shared by the example scripts.
+"""Bookkeeping shared by the example scripts; the optimizer swap is in each script.
 
-- the optimizer swap: ``--optimizer`` (every Horovod method of
-  :mod:`hvd_acp.methods`: ``ssgd``, ``powersgd``, ``acp``, the baselines
-  ``diloco`` and ``demo``, ...) and the one line that wraps a torch
-  optimizer for Horovod (:func:`distributed_optimizer`), with the
-  baselines' flags (:func:`add_baseline_args`) and what a training loop does
-  for them (:func:`finish_training`, :func:`evaluation_weights`);
-- the bookkeeping every script reports: bytes each rank sent against what
-  S-SGD would have sent (:class:`ByteMeter`), metrics summed over ranks
+- the flags every example takes (:func:`add_training_args`,
+  :func:`add_framework_args`), the baselines' flags
+  (:func:`add_baseline_args`) and which method takes which flag
+  (:func:`check_method_flags`);
+- what every script reports: bytes each rank sent against what S-SGD would
+  have sent (:class:`ByteMeter`), metrics summed over ranks
   (:func:`allreduce_sums`), the ``--summary`` JSON (:func:`finish_run`),
   over Horovod or, for the DDP example, ``torch.distributed``
   (:class:`TorchCollectives`);
@@ -20,33 +18,17 @@ Imported as ``common`` by scripts run from this directory
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from hvd_acp.methods import HOROVOD, REGISTRY
-from hvd_acp.methods import get as get_method
 from hvd_acp.plan.units import matrix_rank_type
-
-#: ``--optimizer`` choices: hvd_acp's registry of methods that run under
-#: horovodrun (``ssgd``, ``powersgd``, ``acp``).
-OPTIMIZERS = tuple(key for key, method in REGISTRY.items() if method.launcher == HOROVOD)
 
 
 # ----------------------------------------------------------------- arguments
-def add_common_args(parser: argparse.ArgumentParser, *, epochs: int,
-                    lr: float, batch_size: int) -> None:
-    """The flags shared by the Horovod examples, with each script's own defaults."""
-    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="acp",
-                        help="; ".join(f"{key}: {REGISTRY[key].implementation}"
-                                       for key in OPTIMIZERS) + " (default: %(default)s)")
-    add_training_args(parser, epochs=epochs, lr=lr, batch_size=batch_size)
-
-
 def add_training_args(parser: argparse.ArgumentParser, *, epochs: int,
                       lr: float, batch_size: int) -> None:
     """The flags of every example but the choice of optimizer (or DDP hook)."""
@@ -89,128 +71,57 @@ def add_framework_args(parser: argparse.ArgumentParser, *, out: str) -> None:
     parser.add_argument("--out", default=out, help="checkpoints (default: %(default)s)")
 
 
-def distributed_optimizer(name: str, optimizer: torch.optim.Optimizer, model: nn.Module, *,
-                          matrix_rank, warmup_steps: int, seed: int,
-                          step_ahead: Optional[float] = None, diagnostics: bool = False,
-                          both_factors: Optional[bool] = None, **method_settings):
-    """Wrap ``optimizer`` for Horovod: the one line a user changes.
-
-    ``method_settings`` are the baselines' own (:attr:`hvd_acp.methods.Method.settings`,
-    from :func:`baseline_settings`); a method takes those it lists and
-    refuses the others, and ACP-SGD's flags do not apply to it.
-
-    ``ssgd`` is ``hvd.DistributedOptimizer(optimizer, named_parameters)``;
-    ``acp`` and ``powersgd`` take the same arguments plus their own
-    (``hvd_acp.methods`` builds each).
-    """
-    method = get_method(name)
-    given = {key: value for key, value in method_settings.items() if value is not None}
-    unknown = sorted(set(given) - set(method.settings))
-    if unknown:
-        raise SystemExit(f"--optimizer {name} takes no {', '.join(unknown)}: those flags "
-                         "apply to " + " or ".join(k for k, m in REGISTRY.items()
-                                                    if set(unknown) & set(m.settings)))
-    if method.settings or method.algorithm == "S-SGD":
-        if warmup_steps or step_ahead is not None or diagnostics or both_factors is not None:
-            raise SystemExit("--warmup-steps, --step-ahead, --both-factors and --diagnostics "
-                             "only apply to --optimizer acp or powersgd")
-        return method.build(model, optimizer, **given).optimizer
-    extra = {} if step_ahead is None else {"step_ahead": step_ahead}
-    if both_factors is not None:
-        extra["both_factors"] = both_factors
-    if diagnostics:
-        extra["diagnostics"] = True
-    return method.build(model, optimizer, matrix_rank=matrix_rank, warmup_steps=warmup_steps,
-                        seed=seed, **extra).optimizer
-
-
-#: The baselines' flags: the setting of :mod:`hvd_acp.baselines` each sets,
-#: its type and its help (left out: the library's default).
+#: The baselines' flags: the ``--optimizer`` that takes each, the keyword of
+#: its optimizer (``hvd_acp.baselines``) that it sets, its type and its help
+#: (left out: the library's default).
 BASELINE_FLAGS = {
-    "--diloco-h": ("inner_steps", int, "DiLoCo's inner steps H between two outer steps "
-                                       "(library: 500, the paper's)"),
-    "--diloco-outer-lr": ("outer_lr", float, "DiLoCo's outer learning rate (library: 0.7)"),
-    "--diloco-outer-momentum": ("outer_momentum", float,
+    "--diloco-h": ("diloco", "inner_steps", int,
+                   "DiLoCo's inner steps H between two outer steps (library: 500, the paper's)"),
+    "--diloco-outer-lr": ("diloco", "outer_lr", float,
+                          "DiLoCo's outer learning rate (library: 0.7)"),
+    "--diloco-outer-momentum": ("diloco", "outer_momentum", float,
                                 "DiLoCo's outer Nesterov momentum (library: 0.9)"),
-    "--demo-k": ("top_k", int, "DeMo: DCT coefficients each rank sends per chunk (library: 8)"),
-    "--demo-chunk": ("chunk_size", int, "DeMo: elements per DCT chunk (library: 64)"),
-    "--demo-beta": ("momentum_decay", float, "DeMo: decay of each rank's momentum "
-                                             "(library: 0.999)"),
+    "--demo-k": ("demo", "top_k", int,
+                 "DeMo: DCT coefficients each rank sends per chunk (library: 8)"),
+    "--demo-chunk": ("demo", "chunk_size", int, "DeMo: elements per DCT chunk (library: 64)"),
+    "--demo-beta": ("demo", "momentum_decay", float,
+                    "DeMo: decay of each rank's momentum (library: 0.999)"),
 }
 
 
 def add_baseline_args(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``--optimizer diloco`` and ``demo`` (:data:`BASELINE_FLAGS`)."""
+    """The flags of ``--optimizer diloco`` and ``demo`` (:data:`BASELINE_FLAGS`),
+    each stored under the keyword it sets (``args.inner_steps``, ...)."""
     group = parser.add_argument_group(
         "baselines", "settings of --optimizer diloco and demo; left out: the library's "
         "defaults (hvd_acp.baselines.settings)")
-    for flag, (setting, kind, text) in BASELINE_FLAGS.items():
-        group.add_argument(flag, type=kind, default=None, dest=setting, help=text)
+    for flag, (_, keyword, kind, text) in BASELINE_FLAGS.items():
+        group.add_argument(flag, type=kind, default=None, dest=keyword, help=text)
 
 
-def baseline_settings(args: argparse.Namespace) -> Dict[str, object]:
-    """The baselines' settings given on the command line, by their library names."""
-    return {setting: getattr(args, setting) for setting, _, _ in BASELINE_FLAGS.values()
-            if getattr(args, setting, None) is not None}
+def check_method_flags(args: argparse.Namespace, compressors: Sequence[str]) -> None:
+    """Exit, saying why, where a flag is given that ``args.optimizer`` does not take.
 
+    A baseline's flags (:data:`BASELINE_FLAGS`) apply to that baseline only;
+    ``--warmup-steps``, ``--step-ahead``, ``--both-factors`` and
+    ``--diagnostics`` (where the script has them) to ``compressors``, the
+    methods of hvd_acp that compress. ``--matrix-rank`` is left to the
+    methods that compress nothing, which ignore it.
 
-class SignAdamW(torch.optim.AdamW):
-    """AdamW for the 1-D tensors; every other tensor steps as the DeMo-style
-    method does, ``w *= 1 - lr * weight_decay; w -= lr * sign(grad)``.
-
-    Under ``hvd_acp.DistributedOptimizer`` this is ACP-SGD carrying DeMo's
-    error-fed momentum: a rank's residual ``E`` takes the gradient each step
-    and gives up what its factors send, which is DeMo's momentum with decay 1,
-    compressed to alternating rank-r factors in the same hooks and fused
-    all-reduces instead of a DCT top-k and an all-gather; the averaged
-    factors step by their sign. (``--update sign`` of examples/train_lm.py.)
+    Raises:
+        SystemExit: with the flags and the methods they apply to.
     """
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        hidden = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None or p.dim() < 2:
-                    continue
-                p.mul_(1.0 - group["lr"] * group["weight_decay"])
-                p.add_(p.grad.sign(), alpha=-group["lr"])
-                hidden[p] = p.grad
-                p.grad = None          # AdamW skips it
-        try:
-            super().step()
-        finally:
-            for p, grad in hidden.items():
-                p.grad = grad
-        return loss
-
-
-def finish_training(optimizer) -> None:
-    """After the last step: DiLoCo ends on an outer step (a collective) unless
-    it has just taken one, as the replicas differ until then; nothing for the
-    other methods."""
-    if getattr(optimizer, "pending_inner_steps", 0):
-        optimizer.outer_step()
-
-
-def evaluation_weights(optimizer):
-    """A context in which the model holds the weights every rank shares: DiLoCo's
-    global weights of its last outer step; the weights as they are for the
-    other methods (whose replicas are identical)."""
-    shared = getattr(optimizer, "global_weights", None)
-    return shared() if shared is not None else contextlib.nullcontext()
-
-
-def write_diagnostics(path: str, optimizer, step_losses) -> None:
-    """Rank 0's per-step error-feedback records, each with that step's training loss."""
-    records = [dict(record, train_loss=step_losses[record["step"]])
-               for record in optimizer.reducer.diagnostics if record["step"] < len(step_losses)]
-    with open(path, "w", encoding="utf-8") as out:
-        json.dump({"steps": records}, out, indent=1)
+    misplaced = {keyword: method for method, keyword, _, _ in BASELINE_FLAGS.values()
+                 if getattr(args, keyword, None) is not None and method != args.optimizer}
+    if misplaced:
+        raise SystemExit(f"--optimizer {args.optimizer} takes no {', '.join(sorted(misplaced))}: "
+                         "those flags apply to " + " or ".join(dict.fromkeys(misplaced.values())))
+    if args.optimizer not in compressors and (
+            getattr(args, "warmup_steps", 0) or getattr(args, "step_ahead", None) is not None
+            or getattr(args, "diagnostics", None)
+            or getattr(args, "both_factors", None) is not None):
+        raise SystemExit("--warmup-steps, --step-ahead, --both-factors and --diagnostics "
+                         "only apply to --optimizer acp or powersgd")
 
 
 # ------------------------------------------------------------------- metrics

@@ -3,11 +3,18 @@
     horovodrun -np 2 -H localhost:2 --gloo python examples/train.py --optimizer acp
 
 A Horovod script as users write them; the only line that differs between
-S-SGD, Power-SGD and ACP-SGD is the optimizer swap::
+S-SGD, Power-SGD and ACP-SGD is the optimizer swap (``--optimizer``, in
+``main``)::
 
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=...)      # S-SGD
     optimizer = hvd_acp.DistributedOptimizer(optimizer, named_parameters=...,  # ACP-SGD
                                              matrix_rank=4)
+
+``--optimizer`` also offers S-SGD with fp16 gradients, ACP-SGD's fp16 wire
+and two ablations of it (no overlap with backward, no fusion), and two
+methods that average no gradient, DiLoCo and a DeMo-style method
+(``hvd_acp.baselines``); DiLoCo's replicas differ between its outer steps,
+so the run ends on one and is scored on the weights of the last.
 
 Rank 0 prints the test accuracy and loss after every epoch and, at the end,
 the bytes each rank sent next to what S-SGD would have sent for the same
@@ -16,6 +23,8 @@ steps; ``--summary PATH`` also writes them as JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import time
 
 import horovod.torch as hvd
@@ -25,16 +34,30 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
-from common import (ByteMeter, DigitsCNN, DigitsResNet, add_baseline_args, add_common_args,
-                    allreduce_sums, baseline_settings, distributed_optimizer,
-                    evaluation_weights, finish_run, finish_training, load_digits_split,
-                    settings_of, write_diagnostics)
+import hvd_acp
+from common import (ByteMeter, DigitsCNN, DigitsResNet, add_baseline_args, add_training_args,
+                    allreduce_sums, check_method_flags, finish_run, load_digits_split,
+                    settings_of)
+
+#: ``--optimizer``: Horovod's S-SGD, hvd_acp's compressors, the baselines.
+OPTIMIZERS = ("ssgd", "ssgd-fp16", "powersgd", "acp", "acp-fp16", "acp-nooverlap",
+              "acp-nofusion", "diloco", "demo")
+#: Those that take --warmup-steps, --step-ahead and --diagnostics.
+COMPRESSORS = ("powersgd", "acp", "acp-fp16", "acp-nooverlap", "acp-nofusion")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_common_args(parser, epochs=12, lr=0.025, batch_size=32)
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="acp",
+                        help="ssgd: hvd.DistributedOptimizer; ssgd-fp16: the same with "
+                             "hvd.Compression.fp16; powersgd: hvd_acp.PowerSGDOptimizer; acp: "
+                             "hvd_acp.DistributedOptimizer; acp-fp16: the same with "
+                             "hvd.Compression.fp16; acp-nooverlap: overlap=False; "
+                             "acp-nofusion: fusion_threshold_bytes=0; diloco: "
+                             "hvd_acp.baselines.DiLoCoOptimizer; demo: "
+                             "hvd_acp.baselines.DeMoOptimizer (default: %(default)s)")
+    add_training_args(parser, epochs=12, lr=0.025, batch_size=32)
     add_baseline_args(parser)
     parser.add_argument("--arch", choices=("cnn", "resnet"), default="cnn",
                         help="cnn: two convolutions and two linear layers; resnet: a small "
@@ -49,7 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="mixed precision's gradient scaling: torch.amp.GradScaler with "
                              "its default dynamic scale, the pattern of Horovod's examples "
                              "(autocast to float16 where the model is on a GPU)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_method_flags(args, COMPRESSORS)
+    return args
 
 
 @torch.no_grad()
@@ -71,6 +96,14 @@ def evaluate(model: torch.nn.Module, dataset) -> dict:
     return {"accuracy": sums["correct"] / sums["count"], "loss": sums["loss"] / sums["count"]}
 
 
+def write_diagnostics(path: str, optimizer, step_losses) -> None:
+    """Rank 0's per-step error-feedback records, each with that step's training loss."""
+    records = [dict(record, train_loss=step_losses[record["step"]])
+               for record in optimizer.reducer.diagnostics if record["step"] < len(step_losses)]
+    with open(path, "w", encoding="utf-8") as out:
+        json.dump({"steps": records}, out, indent=1)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     hvd.init()
@@ -88,12 +121,41 @@ def main(argv=None) -> dict:
     lr = args.lr * hvd.size()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
                                 nesterov=args.nesterov, weight_decay=args.weight_decay)
-    extra = {"diagnostics": True} if args.diagnostics else {}
-    optimizer = distributed_optimizer(args.optimizer, optimizer, model,
-                                      matrix_rank=args.matrix_rank,
-                                      warmup_steps=args.warmup_steps, seed=args.seed,
-                                      step_ahead=args.step_ahead, **extra,
-                                      **baseline_settings(args))
+
+    # The swap. hvd_acp's compressors take these settings (None: the library's default).
+    acp_args = dict(matrix_rank=args.matrix_rank, warmup_steps=args.warmup_steps,
+                    seed=args.seed, step_ahead=args.step_ahead,
+                    diagnostics=bool(args.diagnostics))
+    if args.optimizer == "ssgd":
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    elif args.optimizer == "ssgd-fp16":
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                             compression=hvd.Compression.fp16)
+    elif args.optimizer == "powersgd":
+        optimizer = hvd_acp.PowerSGDOptimizer(
+            optimizer, named_parameters=model.named_parameters(), **acp_args)
+    elif args.optimizer == "acp":
+        optimizer = hvd_acp.DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters(), **acp_args)
+    elif args.optimizer == "acp-fp16":          # its buffers in fp16 on the wire
+        optimizer = hvd_acp.DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters(),
+            compression=hvd.Compression.fp16, **acp_args)
+    elif args.optimizer == "acp-nooverlap":     # an ablation: all-reduces after backward
+        optimizer = hvd_acp.DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters(), overlap=False, **acp_args)
+    elif args.optimizer == "acp-nofusion":      # an ablation: one all-reduce per tensor
+        optimizer = hvd_acp.DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters(), fusion_threshold_bytes=0,
+            **acp_args)
+    elif args.optimizer == "diloco":
+        optimizer = hvd_acp.baselines.DiLoCoOptimizer(
+            optimizer, named_parameters=model.named_parameters(), inner_steps=args.inner_steps,
+            outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
+    elif args.optimizer == "demo":
+        optimizer = hvd_acp.baselines.DeMoOptimizer(
+            optimizer, named_parameters=model.named_parameters(), top_k=args.top_k,
+            chunk_size=args.chunk_size, momentum_decay=args.momentum_decay)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     meter = ByteMeter(optimizer, model)
@@ -138,12 +200,14 @@ def main(argv=None) -> dict:
             step_losses.append(loss.item())
             loss_sum += loss.item() * len(labels)
             count += len(labels)
-        if epoch == args.epochs:
-            finish_training(optimizer)
+        if epoch == args.epochs and args.optimizer == "diloco" and optimizer.pending_inner_steps:
+            optimizer.outer_step()      # DiLoCo ends on an outer step: the replicas agree
         train_s += time.perf_counter() - epoch_start
 
         train = allreduce_sums({"loss": loss_sum, "count": count}, name="eval.train")
-        with evaluation_weights(optimizer):
+        # DiLoCo is scored on the weights of its last outer step, which every rank shares.
+        with (optimizer.global_weights() if args.optimizer == "diloco"
+              else contextlib.nullcontext()):
             test = evaluate(model, test_set)
         history["test_accuracy"].append(test["accuracy"])
         history["test_loss"].append(test["loss"])

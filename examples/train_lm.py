@@ -14,10 +14,18 @@ than a few CPU-minutes can read, so an "epoch" here is ``--steps-per-epoch``
 optimizer steps, after which rank 0 reports validation loss and perplexity;
 training windows are drawn without replacement over the whole run, so no
 window is read twice.
+
+AdamW with linear warm-up and cosine decay, wrapped for Horovod by the one
+line that differs between methods (``--optimizer``, in ``main``)::
+
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=...)      # S-SGD
+    optimizer = hvd_acp.DistributedOptimizer(optimizer, named_parameters=...)  # ACP-SGD
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import math
 import os
 import sysconfig
@@ -34,18 +42,31 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
-from common import (ByteMeter, SignAdamW, add_baseline_args, add_common_args, allreduce_sums,
-                    baseline_settings, distributed_optimizer, evaluation_weights, finish_run,
-                    finish_training, settings_of)
+import hvd_acp
+from common import (ByteMeter, add_baseline_args, add_training_args, allreduce_sums,
+                    check_method_flags, finish_run, settings_of)
 
 VOCAB_SIZE = 256
 VALIDATION_BUCKET = 10   # one file in ten (by path hash) is validation
+#: ``--optimizer``: Horovod's S-SGD, hvd_acp's compressors, the baselines.
+OPTIMIZERS = ("ssgd", "ssgd-fp16", "powersgd", "acp", "acp-fp16", "acp-nooverlap",
+              "acp-nofusion", "diloco", "demo")
+#: Those that take --warmup-steps, --step-ahead and --both-factors.
+COMPRESSORS = ("powersgd", "acp", "acp-fp16", "acp-nooverlap", "acp-nofusion")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_common_args(parser, epochs=10, lr=4e-3, batch_size=16)
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="acp",
+                        help="ssgd: hvd.DistributedOptimizer; ssgd-fp16: the same with "
+                             "hvd.Compression.fp16; powersgd: hvd_acp.PowerSGDOptimizer; acp: "
+                             "hvd_acp.DistributedOptimizer; acp-fp16: the same with "
+                             "hvd.Compression.fp16; acp-nooverlap: overlap=False; "
+                             "acp-nofusion: fusion_threshold_bytes=0; diloco: "
+                             "hvd_acp.baselines.DiLoCoOptimizer; demo: "
+                             "hvd_acp.baselines.DeMoOptimizer (default: %(default)s)")
+    add_training_args(parser, epochs=10, lr=4e-3, batch_size=16)
     add_baseline_args(parser)
     parser.add_argument("--steps-per-epoch", type=int, default=100,
                         help="optimizer steps between two validations")
@@ -62,12 +83,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--update", choices=("adamw", "sign"), default="adamw",
                         help="sign: the matrices step by the sign of their averaged gradient "
                              "(the DeMo-style update), the 1-D tensors by AdamW "
-                             "(common.SignAdamW); with --optimizer acp, ACP-SGD carrying "
+                             "(scripts/sign_adamw.py, a study of scripts/lm_study.py, not "
+                             "part of the example); with --optimizer acp, ACP-SGD carrying "
                              "error-fed momentum")
     parser.add_argument("--val-windows", type=int, default=256,
                         help="validation windows of --seq-len tokens, spread evenly over "
                              "the validation files")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_method_flags(args, COMPRESSORS)
+    return args
 
 
 # -------------------------------------------------------------------- corpus
@@ -203,6 +227,15 @@ def benchmark_model(batch_size: int):
     return model, (windows[:, :-1], windows[:, 1:]), loss_fn
 
 
+def sign_adamw():
+    """``SignAdamW`` of scripts/sign_adamw.py (``--update sign``), loaded from its file."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / "sign_adamw.py"
+    spec = importlib.util.spec_from_file_location("sign_adamw", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.SignAdamW
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     hvd.init()
@@ -221,15 +254,43 @@ def main(argv=None) -> dict:
 
     model = TransformerLM(args.seq_len, args.d_model, args.layers, args.heads)
     lr = args.lr * hvd.size()
-    update = SignAdamW if args.update == "sign" else torch.optim.AdamW
+    update = sign_adamw() if args.update == "sign" else torch.optim.AdamW
     optimizer = update(model.parameters(), lr=lr, weight_decay=args.weight_decay)
-    optimizer = distributed_optimizer(args.optimizer, optimizer, model,
-                                      matrix_rank=args.matrix_rank,
-                                      warmup_steps=args.warmup_steps, seed=args.seed,
-                                      step_ahead=args.step_ahead,
-                                      both_factors=(None if args.both_factors is None
-                                                    else args.both_factors == "on"),
-                                      **baseline_settings(args))
+
+    # The swap. hvd_acp's compressors take these settings (None: the library's default).
+    acp_args = dict(matrix_rank=args.matrix_rank, warmup_steps=args.warmup_steps,
+                    seed=args.seed, step_ahead=args.step_ahead,
+                    both_factors=None if args.both_factors is None else args.both_factors == "on")
+    if args.optimizer == "ssgd":
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    elif args.optimizer == "ssgd-fp16":
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                             compression=hvd.Compression.fp16)
+    elif args.optimizer == "powersgd":
+        optimizer = hvd_acp.PowerSGDOptimizer(
+            optimizer, named_parameters=model.named_parameters(), **acp_args)
+    elif args.optimizer == "acp":
+        optimizer = hvd_acp.DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters(), **acp_args)
+    elif args.optimizer == "acp-fp16":          # its buffers in fp16 on the wire
+        optimizer = hvd_acp.DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters(),
+            compression=hvd.Compression.fp16, **acp_args)
+    elif args.optimizer == "acp-nooverlap":     # an ablation: all-reduces after backward
+        optimizer = hvd_acp.DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters(), overlap=False, **acp_args)
+    elif args.optimizer == "acp-nofusion":      # an ablation: one all-reduce per tensor
+        optimizer = hvd_acp.DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters(), fusion_threshold_bytes=0,
+            **acp_args)
+    elif args.optimizer == "diloco":
+        optimizer = hvd_acp.baselines.DiLoCoOptimizer(
+            optimizer, named_parameters=model.named_parameters(), inner_steps=args.inner_steps,
+            outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
+    elif args.optimizer == "demo":
+        optimizer = hvd_acp.baselines.DeMoOptimizer(
+            optimizer, named_parameters=model.named_parameters(), top_k=args.top_k,
+            chunk_size=args.chunk_size, momentum_decay=args.momentum_decay)
     total_steps = args.epochs * args.steps_per_epoch
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, args.lr_warmup_steps, total_steps))
@@ -269,13 +330,15 @@ def main(argv=None) -> dict:
             loss_sum += loss.item()
             if not math.isfinite(loss.item()):
                 raise FloatingPointError(f"training loss is {loss.item()} at step {steps}")
-        if epoch == args.epochs:
-            finish_training(optimizer)
+        if epoch == args.epochs and args.optimizer == "diloco" and optimizer.pending_inner_steps:
+            optimizer.outer_step()      # DiLoCo ends on an outer step: the replicas agree
         train_s += time.perf_counter() - epoch_start
 
         train = allreduce_sums({"loss": loss_sum, "steps": args.steps_per_epoch},
                                name="eval.train")
-        with evaluation_weights(optimizer):
+        # DiLoCo is scored on the weights of its last outer step, which every rank shares.
+        with (optimizer.global_weights() if args.optimizer == "diloco"
+              else contextlib.nullcontext()):
             val = evaluate(model, val_windows)
         history["val_loss"].append(val["loss"])
         history["val_ppl"].append(val["ppl"])

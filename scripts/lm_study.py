@@ -182,7 +182,7 @@ FRONTIER = (
     ("DeMo-style, k 1", ("--optimizer", "demo", "--demo-k", "1"), True),
     ("DeMo-style, k 8", ("--optimizer", "demo", "--demo-k", "8"), True),
     # Issue 36's item 4: ACP-SGD carrying DeMo's error-fed momentum with its
-    # sign update (examples/common.SignAdamW; step-ahead models Adam's step).
+    # sign update (scripts/sign_adamw.py; step-ahead models Adam's step).
     ("ACP-SGD, P and Q in turn, sign update",
      ("--optimizer", "acp", "--update", "sign", "--step-ahead", "0", *IN_TURN), True),
 )

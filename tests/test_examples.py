@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,12 +34,27 @@ def _run_example(script: str, summary: Path, *args: str, timeout: float) -> dict
     return json.loads(summary.read_text())
 
 
+def _load(path: Path, name: str):
+    """The file at ``path`` as a module named ``name`` (the examples are
+    scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _examples_common():
-    """examples/common.py as a module (the examples are scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location("examples_common", EXAMPLES / "common.py")
-    common = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(common)
-    return common
+    return _load(EXAMPLES / "common.py", "examples_common")
+
+
+@pytest.fixture
+def example(monkeypatch):
+    """``example("train.py")``: an example script as a module, loaded as
+    ``python examples/train.py`` runs it (``common`` importable from beside
+    it); ``sys.path`` and ``sys.modules["common"]`` are restored after."""
+    monkeypatch.setattr(sys, "path", [str(EXAMPLES), *sys.path])
+    monkeypatch.delitem(sys.modules, "common", raising=False)
+    return lambda script: _load(EXAMPLES / script, f"examples_{Path(script).stem}")
 
 
 def _digits_gradient_bytes() -> int:
@@ -155,27 +171,34 @@ def test_lm_smoke_loss_finite_and_decreasing(tmp_path):
     assert 0 < summary["bytes_sent_per_rank"] < summary["ssgd_bytes_per_rank"]
 
 
-def test_the_examples_pass_each_method_its_own_flags():
-    import argparse
-
-    import torch
-    from torch import nn
-    common = _examples_common()
-    parser = argparse.ArgumentParser()
-    common.add_baseline_args(parser)
-    args = parser.parse_args(["--diloco-h", "20", "--demo-k", "2"])
-    assert common.baseline_settings(args) == {"inner_steps": 20, "top_k": 2}
-    model = nn.Linear(4, 2)
-    inner = torch.optim.AdamW(model.parameters())
-    with pytest.raises(SystemExit, match="--optimizer acp takes no inner_steps"):
-        common.distributed_optimizer("acp", inner, model, matrix_rank=None, warmup_steps=0,
-                                     seed=0, inner_steps=20)
+@pytest.mark.parametrize("script", ["train.py", "train_lm.py"])
+def test_the_examples_pass_each_method_its_own_flags(example, script):
+    parse_args = example(script).parse_args
+    args = parse_args(["--optimizer", "diloco", "--diloco-h", "20"])
+    assert (args.inner_steps, args.outer_lr, args.top_k) == (20, None, None)
+    assert parse_args(["--optimizer", "acp", "--warmup-steps", "3"]).warmup_steps == 3
+    with pytest.raises(SystemExit, match="--optimizer acp takes no inner_steps: "
+                                         "those flags apply to diloco$"):
+        parse_args(["--optimizer", "acp", "--diloco-h", "20"])
+    with pytest.raises(SystemExit, match="--optimizer ssgd takes no inner_steps, top_k: "
+                                         "those flags apply to diloco or demo$"):
+        parse_args(["--optimizer", "ssgd", "--diloco-h", "20", "--demo-k", "2"])
     with pytest.raises(SystemExit, match="--optimizer diloco takes no top_k"):
-        common.distributed_optimizer("diloco", inner, model, matrix_rank=None, warmup_steps=0,
-                                     seed=0, inner_steps=20, top_k=2)
-    with pytest.raises(SystemExit, match="only apply to --optimizer acp or powersgd"):
-        common.distributed_optimizer("demo", inner, model, matrix_rank=None, warmup_steps=3,
-                                     seed=0)
+        parse_args(["--optimizer", "diloco", "--diloco-h", "20", "--demo-k", "2"])
+    for optimizer in ("ssgd", "ssgd-fp16", "demo"):
+        with pytest.raises(SystemExit, match="only apply to --optimizer acp or powersgd"):
+            parse_args(["--optimizer", optimizer, "--warmup-steps", "3"])
+        with pytest.raises(SystemExit, match="only apply to --optimizer acp or powersgd"):
+            parse_args(["--optimizer", optimizer, "--step-ahead", "0"])
+
+
+def test_the_ddp_example_passes_each_hook_its_own_flags(example):
+    parse_args = example("train_ddp.py").parse_args
+    assert parse_args(["--hook", "powersgd", "--warmup-steps", "3"]).warmup_steps == 3
+    with pytest.raises(SystemExit, match="--step-ahead only applies to --hook acp"):
+        parse_args(["--hook", "powersgd", "--step-ahead", "0"])
+    with pytest.raises(SystemExit, match="--warmup-steps only applies to --hook acp or powersgd"):
+        parse_args(["--hook", "allreduce", "--warmup-steps", "3"])
 
 
 @pytest.mark.parametrize("optimizer, flags", [("diloco", ("--diloco-h", "4")),
@@ -241,14 +264,16 @@ def test_byte_meter_counts_horovods_fp16_compression_as_half():
     assert half.received(3) == half.sent(3)
 
 
-def test_sign_adamw_steps_matrices_by_sign_and_the_rest_by_adamw():
-    """train_lm.py's --update sign: a matrix moves by -lr * sign(grad) after
-    the decoupled weight decay; a 1-D tensor exactly as under AdamW."""
-    common = _examples_common()
+def test_sign_adamw_steps_matrices_by_sign_and_the_rest_by_adamw(example):
+    """train_lm.py's --update sign (scripts/sign_adamw.py, loaded as train_lm.py
+    loads it): a matrix moves by -lr * sign(grad) after the decoupled weight
+    decay; a 1-D tensor exactly as under AdamW."""
+    SignAdamW = example("train_lm.py").sign_adamw()
+    assert SignAdamW.__module__ == "sign_adamw"
     torch.manual_seed(0)
     model, twin = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
     twin.load_state_dict(model.state_dict())
-    sign = common.SignAdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    sign = SignAdamW(model.parameters(), lr=0.1, weight_decay=0.5)
     plain = torch.optim.AdamW(twin.parameters(), lr=0.1, weight_decay=0.5)
     for step in range(2):               # Adam's first step is lr * sign(grad) too
         before = model.weight.detach().clone()
