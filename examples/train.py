@@ -158,7 +158,7 @@ def main(argv=None) -> dict:
             chunk_size=args.chunk_size, momentum_decay=args.momentum_decay)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    meter = ByteMeter(optimizer, model)
+    meter = ByteMeter(optimizer, model, fp16=args.optimizer == "ssgd-fp16")
     device = next(model.parameters()).device.type
     scaler = torch.amp.GradScaler(device) if args.amp else None
     skipped = 0                 # steps the scaler skipped (an overflow)
