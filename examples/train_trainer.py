@@ -92,5 +92,6 @@ def main():
               f"{sent:,.0f} (full gradient {dense:,}: {dense / sent:.1f}x less)", flush=True)
     leave_process_group()
 
+
 if __name__ == "__main__":
     main()
