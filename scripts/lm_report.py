@@ -309,7 +309,7 @@ def summary_table(page: Path) -> List[str]:
     the seeds run), each row linking results.md from ``page``."""
     link = relative(RESULTS / "results.md", page)
     out = ["| recipe (AdamW) | S-SGD's best rate | ACP-SGD defaults vs S-SGD | "
-           "bytes sent, share of S-SGD's | P and Q in turn (the previous defaults) | "
+           "bytes sent, share of S-SGD's | P and Q in turn (`both_factors=False`) | "
            "both factors at 0.25 | Power-SGD (its defaults) | bytes of these three | seeds |",
            "|---|---|---|---|---|---|---|---|---|"]
     for recipe in RECIPES:
