@@ -2,8 +2,12 @@
 
 - Every generated block and page is what scripts/docgen.py writes from
   bench-results/ today (its --check, in process).
+- Every figure of README.md and docs/*.md (docs/archive/ excepted) is in a
+  generated block or beside a link to the run it comes from
+  (:data:`FIGURE_IN_PROSE` says what a figure is, :func:`prose_units`
+  where "beside" ends).
 - Every figure quoted beside a link to a run's file in bench-results/ is in
-  that file; a figure with an interval cites one.
+  that file (README.md, docs/ddp.md); a figure with an interval cites one.
 - docs/algorithm.md's layout table names every module of the package.
 - One advice on the rank everywhere, matching the default.
 """
@@ -59,6 +63,127 @@ def unbacked_figures(page: Path):
         problems += [(figure, unit) for figure in FIGURE.findall(unit)
                      if figure not in sources]
     return problems
+
+
+#: A figure: a number with a unit of measurement after it (``%``, ``x`` for
+#: a ratio, ``s``, ``ms``, ``min``, ``B``, ``kB``, ``MB``, ``GB``, ``points``,
+#: ``pt``), or a decimal with three digits or more after the point (a loss,
+#: a share of bytes, seconds). Not part of a word, a version or a path.
+#: Settings are written without a unit (rank 4, share 0.3, momentum 0.9,
+#: a 100 Mbit/s link) or as code, and are not figures.
+FIGURE_IN_PROSE = re.compile(
+    r"(?<![\w.,:/-])(?:\d[\d,]*(?:\.\d+)?(?:%|x\b|\s?(?:s|ms|min|B|kB|MB|GB|points|pt)\b)"
+    r"|\d+\.\d{3,}(?![\d.]))")
+#: A Markdown link's target.
+LINK_TARGET = re.compile(r"\]\(([^)\s]+)\)")
+#: What is no prose: fenced code, HTML comments, inline code, arXiv numbers.
+NOT_PROSE = (re.compile(r"^(```|~~~).*?^\1", re.S | re.M), re.compile(r"<!--.*?-->", re.S),
+             re.compile(r"`[^`\n]*`"), re.compile(r"arXiv[: ]\d{4}\.\d{4,5}"))
+LIST_ITEM = re.compile(r"^ ?(?:[-*+]|\d+\.) ")
+
+
+def without_blocks(text: str, names) -> str:
+    """``text`` with the generated blocks ``names`` emptied (markers kept)."""
+    for name in names:
+        start, end = f"<!-- {name} -->", f"<!-- end {name} -->"
+        if start in text:
+            head, rest = text.split(start, 1)
+            text = head + "\n\n" + rest.split(end, 1)[1]
+    return text
+
+
+def prose_units(text: str):
+    """(unit, caption) for each unit of a page's prose: a paragraph, a list item
+    with its nested items, a heading, a table row (whose caption is the
+    paragraph just above its table; for anything else the caption is empty).
+    A unit's figures are backed by a run link in the unit or its caption."""
+    for pattern in NOT_PROSE[:2]:
+        text = pattern.sub("\n", text)
+    caption = ""
+    for block in re.split(r"\n[ \t]*\n", text):
+        lines = [line for line in block.splitlines() if line.strip()]
+        if not lines:
+            continue
+        if all(line.lstrip().startswith("|") for line in lines):
+            yield from ((line, caption) for line in lines)
+            caption = ""
+            continue
+        if all(line.startswith("    ") for line in lines) and not LIST_ITEM.match(
+                lines[0].lstrip()):
+            continue                                        # an indented code block
+        units, current = [], []
+        for line in lines:
+            if (LIST_ITEM.match(line) or line.startswith("#")) and current:
+                units.append(current)
+                current = []
+            current.append(line.strip())
+        units.append(current)
+        yield from ((" ".join(unit), "") for unit in units)
+        caption = " ".join(lines)
+
+
+def run_links(page: Path, unit: str, root: Path = REPO):
+    """The links of ``unit`` that lead to a file or folder under ``root``'s bench-results/."""
+    results = (root / "bench-results").resolve()
+    found = []
+    for target in LINK_TARGET.findall(unit):
+        path = (page.parent / target.split("#")[0]).resolve()
+        if path.is_relative_to(results) and path.exists():
+            found.append(target)
+    return found
+
+
+def figures_without_a_run(page: Path, generated=(), root: Path = REPO):
+    """(figure, unit) for every figure of ``page`` outside the generated blocks
+    ``generated`` that neither its unit nor its table's caption links a run of
+    ``root`` for."""
+    problems = []
+    for unit, caption in prose_units(without_blocks(page.read_text(encoding="utf-8"),
+                                                    generated)):
+        bare = LINK_TARGET.sub("]", unit)
+        for pattern in NOT_PROSE[2:]:
+            bare = pattern.sub(" ", bare)
+        found = FIGURE_IN_PROSE.findall(bare)
+        if found and not run_links(page, unit, root) and not run_links(page, caption, root):
+            problems += [(figure, unit[:120]) for figure in found]
+    return problems
+
+
+FIGURE_PAGES = ("README.md", *sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md")))
+
+
+@pytest.mark.parametrize("page", FIGURE_PAGES)
+def test_every_figure_is_generated_or_links_its_run(scripts, page):
+    blocks, _, _ = scripts.docgen.registry()
+    mine = [b for b in blocks if b.page == page]
+    # The blocks skipped below are those the generator renders as they are now.
+    assert scripts.docgen.differences(scripts.docgen.render(mine)) == [], \
+        f"{page}: run scripts/docgen.py"
+    problems = figures_without_a_run(REPO / page, [b.name for b in mine])
+    assert problems == [], "\n".join(f"{figure}: {unit}" for figure, unit in problems)
+
+
+def test_a_figure_without_its_run_is_caught(tmp_path):
+    run = tmp_path / "bench-results" / "some_run"
+    run.mkdir(parents=True)
+    (run / "results.md").write_text("| 3.19x |\n")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    page = docs / "page.md"
+    page.write_text(
+        "# Title, 2 ranks at 100 Mbit/s\n\n"
+        "Rank 4, share 0.3, momentum 0.9 and `step_ahead=0.25`: settings, no figure.\n\n"
+        "ACP-SGD is 3.19x faster ([run](../bench-results/some_run/results.md)).\n\n"
+        "ACP-SGD is 3.19x faster ([run](../bench-results/no_such_run/results.md)).\n\n"
+        "- a list item: 1.5123 nats,\n  continued\n- the next: 12.5 MB a step\n\n"
+        "Measured ([runs](../bench-results/some_run/)):\n\n| a | 98.22% |\n| b | 0.210 |\n\n"
+        "| no caption | 4 s |\n\n"
+        "```sh\nrun --lr 0.025 # 2.5x\n```\n\n"
+        "<!-- made -->\n\n| generated | 9.99% |\n\n<!-- end made -->\n\n"
+        "Version 2.13.0, arXiv:2306.08881, `0.125 s`; within 1% of S-SGD.\n")
+    found = [figure for figure, _ in figures_without_a_run(page, ["made"], tmp_path)]
+    assert found == ["3.19x", "1.5123", "12.5 MB", "4 s", "1%"]
+    assert "9.99%" in [f for f, _ in figures_without_a_run(page, (), tmp_path)]
 
 
 @pytest.mark.parametrize("page", PAGES)
