@@ -47,12 +47,11 @@ _AUTO_NAME = "param.{}"
 class ACPState:
     r"""Settings and state of :func:`acp_hook` for one DDP model.
 
-    ``matrix_rank``, ``min_compression_rate``, ``warmup_steps``, ``seed``,
-    ``step_ahead``, ``fp16_wire`` and ``both_factors`` are every front end's
-    (:class:`hvd_acp.Settings` says what each does and how to tune it),
-    given by keyword or as one ``settings=hvd_acp.Settings(...)`` (the
-    keywords given win); ``None`` takes the library's default, decided when
-    the state is first used, with the optimizer if one is attached by then. ``warmup_steps`` may be 0, unlike
+    ACP-SGD's settings are every front end's (:meth:`hvd_acp.Settings.of`:
+    ``settings=hvd_acp.Settings(...)``, or its fields by name, such as
+    ``matrix_rank=4``; :class:`hvd_acp.Settings` says what each does and
+    how to tune it); ``None`` takes the library's default, decided when the
+    state is first used, with the optimizer if one is attached by then. ``warmup_steps`` may be 0, unlike
     ``powerSGD_hook``'s ``start_powerSGD_iter``: state is keyed by
     parameter, so DDP's rebuild of its buckets changes nothing.
 
@@ -94,17 +93,9 @@ class ACPState:
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, *,
                  settings: Optional[Settings] = None,
-                 matrix_rank=None, min_compression_rate: Optional[float] = None,
-                 warmup_steps: Optional[int] = None, seed: Optional[int] = None,
                  named_parameters: Optional[Iterable[Tuple[str, Tensor]]] = None,
-                 optimizer: Optional[torch.optim.Optimizer] = None,
-                 step_ahead: Optional[float] = None,
-                 fp16_wire: Optional[bool] = None,
-                 both_factors: Optional[bool] = None) -> None:
-        self.settings = Settings.of(settings, matrix_rank=matrix_rank,
-                                    min_compression_rate=min_compression_rate,
-                                    warmup_steps=warmup_steps, seed=seed, step_ahead=step_ahead,
-                                    fp16_wire=fp16_wire, both_factors=both_factors)
+                 optimizer: Optional[torch.optim.Optimizer] = None, **named_settings) -> None:
+        self.settings = Settings.of(settings, **named_settings)
         self.process_group = process_group
         self._buckets = BucketReducer(process_group)
         self.optimizer: Optional[torch.optim.Optimizer] = None

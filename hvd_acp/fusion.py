@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -55,7 +56,7 @@ class TensorLayout:
         codec = as_codec(codec)
         if not self.compressed or not codec.compressed:
             return self.numel
-        return codec.payload_rows(self.n, self.m) * self.r
+        return math.prod(codec.payload_shape(self.n, self.m, self.r))
 
     def step_numel(self, codec) -> int:
         """Elements this tensor puts on the wire in a whole step of ``codec``
@@ -63,7 +64,7 @@ class TensorLayout:
         codec = as_codec(codec)
         if not self.compressed or not codec.compressed:
             return self.numel
-        return codec.step_rows(self.n, self.m) * self.r
+        return codec.step_numel(self.n, self.m, self.r)
 
     def payload_shape(self, codec) -> Tuple[int, ...]:
         """Shape of this tensor's slot in a buffer of ``codec``."""

@@ -64,25 +64,18 @@ class DistributedOptimizer(WrappedOptimizer):
             outside it nothing is hooked or communicated, and ``step()``
             updates with the local gradients, as in Horovod.
 
-    ACP-SGD's own settings (keyword only; ``None`` takes the library's
-    default, see :class:`hvd_acp.Settings`, which says what to tune), by
-    name or as one ``settings=hvd_acp.Settings(...)`` (the names given win):
+    ACP-SGD's own settings (keyword only) are every front end's
+    (:meth:`hvd_acp.Settings.of`): one ``settings=hvd_acp.Settings(...)``, or
+    its fields by name, ``None`` for the library's default
+    (:class:`hvd_acp.Settings` says what each does and what to tune):
+    ``matrix_rank`` (r of the factors, a share of each matrix, or
+    ``"auto"``), ``min_compression_rate``, ``warmup_steps``, ``seed``,
+    ``step_ahead`` (the parameters hold the true weights except between a
+    training forward pass and the end of its backward pass;
+    :meth:`true_weights` in between), ``both_factors``, ``refresh_period``.
+    ``fp16_wire`` is Horovod's ``compression`` here. Then the front end's own:
 
     Args:
-        settings: an :class:`hvd_acp.Settings` (its ``fp16_wire`` is
-            Horovod's ``compression`` here).
-        matrix_rank: rank r of the factors P (n, r) and Q (m, r); or
-            ``"auto"`` (an :class:`~hvd_acp.AutoRank`) for a rank per tensor.
-        min_compression_rate: a matrix is compressed only if that sends at
-            least this many times fewer elements.
-        warmup_steps: steps of exact averaging before ACP-SGD starts.
-        seed: seed of the initial factors, identical on every rank.
-        step_ahead: step-ahead error feedback (0 switches it off). The
-            parameters hold the true weights between ``step()`` and the next
-            training forward pass (:meth:`true_weights` in between).
-        both_factors: send both factors every step, each on the other's
-            previous basis, in one all-reduce (default: for adaptive
-            optimizers); see :class:`hvd_acp.Settings`.
         fusion_threshold_bytes: the S-SGD fusion threshold the buffers are
             planned from; each buffer's payload is about this times the
             phase's compression ratio. 0 gives one buffer per tensor.
@@ -114,12 +107,9 @@ class DistributedOptimizer(WrappedOptimizer):
                  groups: Optional[Sequence[Sequence[torch.Tensor]]] = None,
                  sparse_as_dense: bool = False, process_set=None, *,
                  settings: Optional[Settings] = None,
-                 matrix_rank=None, min_compression_rate: Optional[float] = None,
-                 warmup_steps: Optional[int] = None, seed: Optional[int] = None,
-                 step_ahead: Optional[float] = None, both_factors: Optional[bool] = None,
                  fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD_BYTES,
                  overlap: bool = True, diagnostics: bool = False,
-                 communicator: Optional[Communicator] = None):
+                 communicator: Optional[Communicator] = None, **named_settings):
         args = _Arguments(backward_passes_per_step, fusion_threshold_bytes,
                           gradient_predivide_factor, num_groups, groups, sparse_as_dense, overlap)
         error, named, fusion_groups = None, [], None
@@ -127,9 +117,7 @@ class DistributedOptimizer(WrappedOptimizer):
             if communicator is None:
                 HorovodCommunicator.check_arguments(op, gradient_predivide_factor, compression)
             settings = Settings.of(
-                settings, matrix_rank=matrix_rank, min_compression_rate=min_compression_rate,
-                warmup_steps=warmup_steps, seed=seed, step_ahead=step_ahead,
-                fp16_wire=HorovodCommunicator.fp16_wire_of(compression), both_factors=both_factors,
+                settings, fp16_wire=HorovodCommunicator.fp16_wire_of(compression), **named_settings,
             ).resolve(optimizer, factors_per_step=self.factors_per_step)
             args.check()
             named = named_parameters_of(optimizer, named_parameters)

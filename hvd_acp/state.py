@@ -649,7 +649,7 @@ class CompressionState:
         return {
             "version": STATE_FORMAT_VERSION,
             "step_count": self.step_count,
-            "phase": self.phase.value,
+            "phase": self.codec.name,
             "warmup_steps": self.warmup_steps,
             "matrix_rank": self.matrix_rank if self.auto is None else "auto",
             "auto_rank": None if self.auto is None else self.auto.settings(),

@@ -12,7 +12,7 @@ from hvd_acp.methods import Method
 from hvd_acp.settings import Settings, optimizer_family
 
 FIELDS = ("matrix_rank", "min_compression_rate", "warmup_steps", "seed", "step_ahead",
-          "fp16_wire", "both_factors")
+          "fp16_wire", "both_factors", "refresh_period")
 
 
 def sgd():
@@ -26,10 +26,11 @@ def adamw():
 def test_the_defaults_depend_on_the_optimizer_family():
     resolved = Settings().resolve(sgd())
     assert resolved == Settings(matrix_rank=4, min_compression_rate=2.0, warmup_steps=0,
-                                seed=0, step_ahead=0.2, fp16_wire=False, both_factors=False)
+                                seed=0, step_ahead=0.2, fp16_wire=False, both_factors=False,
+                                refresh_period=1)
     assert Settings().resolve() == resolved           # no optimizer: the SGD defaults
     adaptive = Settings(matrix_rank=0.3, min_compression_rate=1.0, warmup_steps=0, seed=0,
-                        step_ahead=0.2, fp16_wire=True, both_factors=True)
+                        step_ahead=0.2, fp16_wire=True, both_factors=True, refresh_period=1)
     for optimizer in (adamw(), torch.optim.Adam([torch.zeros(2, 2, requires_grad=True)]),
                       torch.optim.RMSprop([torch.zeros(2, 2, requires_grad=True)]),
                       torch.optim.Adagrad([torch.zeros(2, 2, requires_grad=True)])):
@@ -120,15 +121,35 @@ def signatures():
     yield pytest.importorskip("hvd_acp.integrations.transformers").register_acp
 
 
-def test_every_front_end_takes_none_for_the_default():
+def test_every_front_end_takes_the_settings_object_or_each_setting_by_name():
     for target in signatures():
         parameters = inspect.signature(target).parameters
+        assert parameters["settings"].default is None, target
+        # Every other setting by name: Settings.of takes and checks them.
+        named = [p for p in parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
+        assert named, target
         for field in FIELDS:
-            if field == "fp16_wire" and target in (hvd_acp.DistributedOptimizer,
-                                                   hvd_acp.PowerSGDOptimizer):
-                field = "compression"       # Horovod's own argument says it there
-            assert parameters[field].default is None, (target, field)
+            if field in parameters:
+                assert parameters[field].default is None, (target, field)
+    # Horovod's own argument says fp16_wire in its optimizers.
+    for target in (hvd_acp.DistributedOptimizer, hvd_acp.PowerSGDOptimizer):
+        assert inspect.signature(target).parameters["compression"].default is None
     assert inspect.signature(Method.build).parameters["matrix_rank"].default is None
+
+
+def test_a_name_that_is_not_a_setting_is_refused_naming_it():
+    with pytest.raises(TypeError, match="'matrx_rank': not a setting of hvd_acp.Settings"):
+        hvd_acp.ddp.ACPState(matrx_rank=4)
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(TypeError, match="'step_head': not a setting"):
+        hvd_acp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     step_head=0.2, communicator=hvd_acp.LocalCommunicator())
+
+
+def test_settings_given_as_one_object_and_by_name_mix_the_names_winning():
+    state = hvd_acp.ddp.ACPState(settings=Settings(matrix_rank=8, step_ahead=0.5),
+                                 matrix_rank=2)
+    assert state.settings.matrix_rank == 2 and state.settings.step_ahead == 0.5
 
 
 def test_the_front_ends_resolve_none_to_the_defaults():

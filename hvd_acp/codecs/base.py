@@ -22,6 +22,7 @@ schedule (:attr:`hvd_acp.state.CompressionState.codec`), from the settings.
 """
 from __future__ import annotations
 
+import math
 from typing import Hashable, List, Sequence, Tuple
 
 from torch import Tensor
@@ -56,13 +57,14 @@ class Codec:
         """Rows of the (rows, r) payload of an (n, m) matrix."""
         raise NotImplementedError
 
-    def step_rows(self, n: int, m: int) -> int:
-        """Rows of factors a whole step sends (every round of a scheme of several)."""
-        return self.payload_rows(n, m)
-
     def payload_shape(self, n: int, m: int, r: int) -> Tuple[int, ...]:
         """Shape of the payload of an (n, m) matrix at rank r."""
         return (self.payload_rows(n, m), r)
+
+    def step_numel(self, n: int, m: int, r: int) -> int:
+        """Elements a whole step sends for an (n, m) matrix at rank r (every
+        round of a scheme of several)."""
+        return math.prod(self.payload_shape(n, m, r))
 
     def reused(self, tensor) -> Sequence[Tensor]:
         """The factors of ``tensor`` the step's bases are made from."""

@@ -24,8 +24,8 @@ class PowerSGDFirst(Codec):
     def payload_rows(self, n: int, m: int) -> int:
         return n
 
-    def step_rows(self, n: int, m: int) -> int:
-        return n + m                                    # P, then Q in the second round
+    def step_numel(self, n: int, m: int, r: int) -> int:
+        return (n + m) * r                              # P, then Q in the second round
 
     def reused(self, tensor):
         return (tensor.q,)

@@ -56,7 +56,7 @@ NO_DDP = {
 
 
 def register_acp(accelerator: Accelerator, model: DistributedDataParallel, optimizer, *,
-                 settings: Optional[Settings] = None, **named) -> ACPState:
+                 settings: Optional[Settings] = None, **named_settings) -> ACPState:
     """Train ``model`` with ACP-SGD: register :func:`hvd_acp.ddp.acp_hook` on it.
 
     Call it on every process, after ``accelerator.prepare(...)`` and before
@@ -67,7 +67,7 @@ def register_acp(accelerator: Accelerator, model: DistributedDataParallel, optim
         model: the ``DistributedDataParallel`` module ``prepare()`` returned.
         optimizer: the prepared optimizer (or the torch optimizer inside it)
             that updates ``model``'s parameters.
-        settings, **named: ACP-SGD's settings, as every front end takes them
+        settings, **named_settings: ACP-SGD's settings, as every front end takes them
             (:meth:`hvd_acp.Settings.of`).
 
     Returns:
@@ -80,7 +80,7 @@ def register_acp(accelerator: Accelerator, model: DistributedDataParallel, optim
         TypeError: ``optimizer`` holds no torch optimizer.
         RuntimeError: ``model`` has a communication hook already.
     """
-    settings = Settings.of(settings, **named)
+    settings = Settings.of(settings, **named_settings)
     kind = accelerator.distributed_type
     launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if kind is DistributedType.NO and launched > 1:

@@ -51,7 +51,7 @@ class ACPCallback(pl.Callback):
     """Trains a ``strategy="ddp"`` Lightning run with ACP-SGD.
 
     Args:
-        settings, **named: ACP-SGD's settings, as every front end takes them
+        settings, **named_settings: ACP-SGD's settings, as every front end takes them
             (:meth:`hvd_acp.Settings.of`); checked here.
 
     Attributes:
@@ -66,8 +66,8 @@ class ACPCallback(pl.Callback):
     """
 
     def __init__(self, matrix_rank=None, *, settings: Optional[Settings] = None,
-                 **named) -> None:
-        self.settings = Settings.of(settings, matrix_rank=matrix_rank, **named)
+                 **named_settings) -> None:
+        self.settings = Settings.of(settings, matrix_rank=matrix_rank, **named_settings)
         self.state: Optional[ACPState] = None
         #: A checkpoint's state, loaded into the next fit's ACPState.
         self._to_load: Optional[Dict[str, Any]] = None

@@ -58,20 +58,20 @@ CHECKPOINT_FOLDER = "checkpoint-{step}"
 
 
 def register_acp(trainer: Trainer, *, settings: Optional[Settings] = None,
-                 **named) -> "ACPCallback":
+                 **named_settings) -> "ACPCallback":
     """Make ``trainer.train()`` train with ACP-SGD; returns the callback added.
 
     Args:
         trainer: a ``transformers.Trainer`` (or subclass) whose processes
             train with DDP (launched by ``torchrun`` or ``accelerate launch``).
-        settings, **named: ACP-SGD's settings, as every front end takes them
+        settings, **named_settings: ACP-SGD's settings, as every front end takes them
             (:meth:`hvd_acp.Settings.of`).
 
     Raises:
         ValueError: the Trainer trains without a DDP module (one process,
             ``nn.DataParallel``, FSDP, DeepSpeed, ...).
     """
-    settings = Settings.of(settings, **named)
+    settings = Settings.of(settings, **named_settings)
     if getattr(trainer, "is_deepspeed_enabled", False):
         raise ValueError("register_acp cannot train with DeepSpeed: "
                          + NO_DDP[DistributedType.DEEPSPEED])
