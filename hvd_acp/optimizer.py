@@ -72,7 +72,7 @@ class DistributedOptimizer(WrappedOptimizer):
     ``"auto"``), ``min_compression_rate``, ``warmup_steps``, ``seed``,
     ``step_ahead`` (the parameters hold the true weights except between a
     training forward pass and the end of its backward pass;
-    :meth:`true_weights` in between), ``both_factors``, ``refresh_period``.
+    :meth:`true_weights` in between), ``both_factors``.
     ``fp16_wire`` is Horovod's ``compression`` here. Then the front end's own:
 
     Args:

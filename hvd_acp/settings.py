@@ -48,7 +48,7 @@ DEFAULTS = {
 #: step (ACP-SGD with ``both_factors=False``); Power-SGD, which sends two in
 #: two all-reduces, gets half of it: the same bytes.
 IN_TURN_SHARE = 0.5
-COMMON_DEFAULTS = {"warmup_steps": 0, "seed": 0, "step_ahead": 0.2, "refresh_period": 1}
+COMMON_DEFAULTS = {"warmup_steps": 0, "seed": 0, "step_ahead": 0.2}
 
 def is_int(value) -> bool:
     """An integer that is not a bool."""
@@ -166,11 +166,6 @@ class Settings:
        method.
     7. ``seed`` (default 0): seed of the dedicated generator that draws the
        initial factors: identical on every rank, the global RNG untouched.
-    8. ``refresh_period`` (default 1): K. Above 1, each step that sends
-       factors (P, Q, or both) is followed by K - 1 steps that send only the
-       r x r core of the gradient on the bases it left
-       (:mod:`hvd_acp.codecs.core`): far fewer bytes, the bases refreshed
-       every K steps.
     """
 
     matrix_rank: Union[int, float, str, AutoRank, None] = None
@@ -180,7 +175,6 @@ class Settings:
     step_ahead: Optional[float] = None
     fp16_wire: Optional[bool] = None
     both_factors: Optional[bool] = None
-    refresh_period: Optional[int] = None
 
     def __post_init__(self) -> None:
         """Raise ``ValueError``/``TypeError`` naming the first bad setting
@@ -201,8 +195,6 @@ class Settings:
         if not isinstance(given.both_factors, bool):
             raise TypeError(f"both_factors must be True, False or None, got "
                             f"{self.both_factors!r}")
-        if not is_int(given.refresh_period) or given.refresh_period < 1:
-            raise ValueError(f"refresh_period must be an int >= 1, got {given.refresh_period!r}")
 
     @classmethod
     def of(cls, settings: Optional["Settings"] = None, **keywords) -> "Settings":
@@ -279,7 +271,7 @@ class Settings:
         return "both" if self.both_factors else "alternating"
 
     def codecs(self) -> Tuple:
-        """The codecs of the compressed steps, in the order they use them: the
-        :attr:`scheme`'s, each followed by ``refresh_period - 1`` core steps."""
-        from .codecs import cycle_of
-        return cycle_of(self.scheme, self.refresh_period)
+        """The codecs of the compressed steps of :attr:`scheme`, in the order
+        they use them."""
+        from .codecs import SCHEMES
+        return SCHEMES[self.scheme]

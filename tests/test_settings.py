@@ -12,7 +12,7 @@ from hvd_acp.methods import Method
 from hvd_acp.settings import Settings, optimizer_family
 
 FIELDS = ("matrix_rank", "min_compression_rate", "warmup_steps", "seed", "step_ahead",
-          "fp16_wire", "both_factors", "refresh_period")
+          "fp16_wire", "both_factors")
 
 
 def sgd():
@@ -26,11 +26,10 @@ def adamw():
 def test_the_defaults_depend_on_the_optimizer_family():
     resolved = Settings().resolve(sgd())
     assert resolved == Settings(matrix_rank=4, min_compression_rate=2.0, warmup_steps=0,
-                                seed=0, step_ahead=0.2, fp16_wire=False, both_factors=False,
-                                refresh_period=1)
+                                seed=0, step_ahead=0.2, fp16_wire=False, both_factors=False)
     assert Settings().resolve() == resolved           # no optimizer: the SGD defaults
     adaptive = Settings(matrix_rank=0.3, min_compression_rate=1.0, warmup_steps=0, seed=0,
-                        step_ahead=0.2, fp16_wire=True, both_factors=True, refresh_period=1)
+                        step_ahead=0.2, fp16_wire=True, both_factors=True)
     for optimizer in (adamw(), torch.optim.Adam([torch.zeros(2, 2, requires_grad=True)]),
                       torch.optim.RMSprop([torch.zeros(2, 2, requires_grad=True)]),
                       torch.optim.Adagrad([torch.zeros(2, 2, requires_grad=True)])):

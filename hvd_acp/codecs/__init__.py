@@ -5,11 +5,10 @@
 - :class:`Dense`: warm-up and auto-rank probes, every gradient whole;
 - :class:`PCodec`, :class:`QCodec` (:mod:`.alternating`): ACP-SGD's P and Q in turn;
 - :class:`PQCodec` (:mod:`.both`): both factors every step;
-- :class:`CoreCodec` (:mod:`.core`): the r x r core on both bases, between refreshes;
 - :class:`PowerSGDFirst`, :class:`PowerSGDSecond` (:mod:`.powersgd`): Power-SGD's two rounds.
 
 :data:`SCHEMES` names the cycles of codecs a compressed run goes through;
-:class:`hvd_acp.Settings` picks one (:func:`cycle_of`).
+:class:`hvd_acp.Settings` picks one.
 """
 from __future__ import annotations
 
@@ -19,11 +18,10 @@ from ..compression import Phase
 from .alternating import PCodec, QCodec
 from .base import Codec
 from .both import PQCodec
-from .core import CoreCodec
 from .powersgd import PowerSGDFirst, PowerSGDSecond
 
-__all__ = ["Codec", "Dense", "PCodec", "QCodec", "PQCodec", "CoreCodec", "PowerSGDFirst",
-           "PowerSGDSecond", "DENSE", "CORE", "SCHEMES", "as_codec", "codec_of", "cycle_of"]
+__all__ = ["Codec", "Dense", "PCodec", "QCodec", "PQCodec", "PowerSGDFirst", "PowerSGDSecond",
+           "DENSE", "SCHEMES", "as_codec", "codec_of"]
 
 
 class Dense(Codec):
@@ -39,16 +37,6 @@ SCHEMES: Dict[str, Tuple[Codec, ...]] = {
     "alternating": (PCodec(), QCodec()),
     "both": (PQCodec(),),
 }
-
-
-CORE = CoreCodec()
-
-
-def cycle_of(scheme: str, refresh_period: int = 1) -> Tuple[Codec, ...]:
-    """The codecs of a compressed run: ``scheme``'s, each followed by
-    ``refresh_period - 1`` core steps on the bases it left."""
-    return tuple(step for codec in SCHEMES[scheme]
-                 for step in (codec,) + (CORE,) * (refresh_period - 1))
 
 
 def codec_of(phase) -> Codec:
