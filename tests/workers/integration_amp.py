@@ -61,21 +61,7 @@ def lightning(directory):
 
     from hvd_acp.integrations.lightning import ACPCallback
 
-    class Digits(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.net = MLP()
-
-        def training_step(self, batch, index):
-            x, y = batch
-            return F.cross_entropy(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
-
-        def train_dataloader(self):
-            return DataLoader(TensorDataset(*TRAIN), batch_size=BATCH, shuffle=True)
+    from lightning_train import Digits          # the worker of the plain Lightning tests
 
     records, rank = {}, 0
     for amp in (False, True):
@@ -87,7 +73,7 @@ def lightning(directory):
                             logger=False, enable_progress_bar=False,
                             enable_model_summary=False, enable_checkpointing=False,
                             num_sanity_val_steps=0, default_root_dir=directory)
-        module = Digits()
+        module = Digits(seed=0)
         initial = evaluate(module.net, TEST)
         trainer.fit(module)
         rank = trainer.global_rank
@@ -133,7 +119,6 @@ def accelerate(directory):
 
 # --------------------------------------------------------------- the Trainer
 def transformers(directory):
-    from torch import nn
     from transformers import Trainer, TrainingArguments
     from transformers.utils import logging as hf_logging
 
@@ -141,25 +126,7 @@ def transformers(directory):
 
     hf_logging.set_verbosity_error()
 
-    class Classifier(nn.Module):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.net = MLP()
-
-        def forward(self, x, labels=None):
-            logits = self.net(x)
-            return {"loss": F.cross_entropy(logits.float(), labels), "logits": logits}
-
-    class Examples(torch.utils.data.Dataset):
-        def __init__(self, x, y):
-            self.x, self.y = x, y
-
-        def __len__(self):
-            return len(self.y)
-
-        def __getitem__(self, index):
-            return {"x": self.x[index], "labels": self.y[index]}
+    from trainer_train import Classifier, Examples   # those of the plain Trainer tests
 
     records, rank = {}, 0
     for amp in (False, True):
