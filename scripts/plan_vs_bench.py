@@ -46,13 +46,15 @@ TARGET = 0.20
 SSGD_TARGET = 0.15
 
 
+def _suffix(optimizer: str) -> str:
+    return "" if optimizer == "sgd" else f"_{optimizer}"
+
+
 def _predict(results: Path, out: Path, profiles: Dict[Tuple, Path], extra: List[str]) -> dict:
     bench = json.loads(results.read_text())
     cfg = bench["config"]
-    if cfg.get("optimizer", "sgd") != "sgd":
-        raise SystemExit(f"{results}: trained with --optimizer {cfg['optimizer']}; the "
-                         "planner predicts the benchmark's SGD runs only")
-    key = (cfg["model"], cfg["batch_size"], cfg["matrix_rank"])
+    optimizer = cfg.get("optimizer", "sgd")
+    key = (cfg["model"], cfg["batch_size"], cfg["matrix_rank"], optimizer)
     profile = profiles.get(key)
     flags = ["--np", str(cfg["np"]), "--bandwidth", f"{cfg['bandwidth_mbit']:g}mbit",
              "--no-plot"]
@@ -60,10 +62,11 @@ def _predict(results: Path, out: Path, profiles: Dict[Tuple, Path], extra: List[
         flags += ["--horovod-cycle-time-ms", f"{cfg['horovod_cycle_time_ms']:g}"]
     plan_dir = out / results.parent.name
     if profile is None:
-        profile = out / f"profile_{cfg['model']}_b{cfg['batch_size']}.json"
-        command = ["--model", cfg["model"], "--batch-size", str(cfg["batch_size"]),
-                   "--matrix-rank", str(cfg["matrix_rank"]), "--save-profile", str(profile),
-                   *extra]
+        model = Path(cfg["model"].split(":")[0]).stem
+        profile = out / f"profile_{model}_b{cfg['batch_size']}{_suffix(optimizer)}.json"
+        rank = [] if cfg["matrix_rank"] is None else ["--matrix-rank", str(cfg["matrix_rank"])]
+        command = ["--model", cfg["model"], "--batch-size", str(cfg["batch_size"]), *rank,
+                   "--optimizer", optimizer, "--save-profile", str(profile), *extra]
         profiles[key] = profile
     else:
         command = ["--profile", str(profile)]
@@ -94,7 +97,9 @@ def _predict(results: Path, out: Path, profiles: Dict[Tuple, Path], extra: List[
             "model": cfg["model"], "batch_size": cfg["batch_size"], "np": cfg["np"],
             "bandwidth_mbit": cfg["bandwidth_mbit"],
             "command": "hvd-acp-plan " + " ".join(
-                ["--model", cfg["model"], "--batch-size", str(cfg["batch_size"]), *flags, *extra]),
+                ["--model", cfg["model"], "--batch-size", str(cfg["batch_size"]),
+                 *(["--optimizer", optimizer] if optimizer != "sgd" else []), *flags, *extra]),
+            "optimizer": optimizer,
             "assumed": plan["config"].get("assumed"), "methods": rows, "order": order}
 
 
@@ -112,6 +117,14 @@ def markdown(found: List[dict]) -> str:
     within = sum(e <= TARGET for e in errors)
     lines += ["", f"{within} of {len(errors)} predictions within {TARGET:.0%}; worst "
               f"{max(errors) * 100:.1f}%." if errors else "no prediction"]
+    per_method: Dict[str, List[float]] = {}
+    for run in found:
+        for method, row in run["methods"].items():
+            per_method.setdefault(method, []).append(abs(row["error"]))
+    if len(per_method) > 1:
+        lines.append("Per method: " + "; ".join(
+            f"{label(m)} {sum(e <= TARGET for e in errs)} of {len(errs)} within {TARGET:.0%} "
+            f"(worst {max(errs) * 100:.1f}%)" for m, errs in per_method.items()) + ".")
     ssgd = [abs(run["methods"]["ssgd"]["error"]) for run in found if "ssgd" in run["methods"]]
     if ssgd:
         lines.append(f"S-SGD: {sum(e <= SSGD_TARGET for e in ssgd)} of {len(ssgd)} within "
@@ -155,6 +168,9 @@ def main(argv: List[str] = None) -> int:
                              "every local rank at once")
     parser.add_argument("--doc", type=Path, default=None,
                         help="a page with the markers %s and %s" % MARKERS)
+    parser.add_argument("--marker", default="planval",
+                        help="the name in the page's markers (default planval: "
+                             "<!-- planval --> ... <!-- end planval -->)")
     parser.add_argument("--report-only", action="store_true",
                         help="render OUT/defaults.json again (no profiling, no prediction)")
     args = parser.parse_args(argv)
@@ -172,7 +188,8 @@ def main(argv: List[str] = None) -> int:
     (args.out / "defaults.md").write_text(text + "\n")
     if args.doc is not None:
         page = args.doc.read_text(encoding="utf-8")
-        args.doc.write_text(replace_marked(page, MARKERS, text.split("\n"), args.doc),
+        markers = (f"<!-- {args.marker} -->", f"<!-- end {args.marker} -->")
+        args.doc.write_text(replace_marked(page, markers, text.split("\n"), args.doc),
                             encoding="utf-8")
     print(text)
     return 0

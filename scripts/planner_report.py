@@ -2,8 +2,10 @@
 
 The tables come from the planner's own scripts, as they print them:
 
-- ``planval``: ``scripts/plan_vs_bench.py``, the planner's defaults against
-  the benchmark runs, from ``bench-results/planval/defaults/defaults.json``;
+- ``planval``, ``planval-adamw``: ``scripts/plan_vs_bench.py``, the
+  planner's defaults against the benchmark runs under SGD and AdamW, from
+  ``bench-results/planval/defaults/defaults.json`` and
+  ``bench-results/planval_adamw/defaults/defaults.json``;
 - ``validation``: ``scripts/validation_table.py``, the calibrated
   predictions against the runs, from ``bench-results/validation/*/validate.json``;
 - ``paper``: ``scripts/paper_projection.py``, the paper's settings projected
@@ -27,10 +29,18 @@ PAGE = "docs/planner.md"
 PAPER_GPU = (15.7, 0.4)
 
 
-def planval(page: Path) -> List[str]:
+def _planval(folder: str) -> List[str]:
     import plan_vs_bench
-    found = json.loads((REPO / "bench-results/planval/defaults/defaults.json").read_text())
+    found = json.loads((REPO / folder / "defaults.json").read_text())
     return plan_vs_bench.markdown(found).split("\n")
+
+
+def planval(page: Path) -> List[str]:
+    return _planval("bench-results/planval/defaults")
+
+
+def planval_adamw(page: Path) -> List[str]:
+    return _planval("bench-results/planval_adamw/defaults")
 
 
 def validation(page: Path) -> List[str]:
@@ -48,5 +58,6 @@ def paper(page: Path) -> List[str]:
 
 def blocks() -> List[Block]:
     return [Block(PAGE, "planval", "bench-results/planval/defaults/", planval),
+            Block(PAGE, "planval-adamw", "bench-results/planval_adamw/defaults/", planval_adamw),
             Block(PAGE, "validation", "bench-results/validation/", validation),
             Block(PAGE, "paper", "bench-results/profiles/", paper)]

@@ -301,8 +301,8 @@ def serialized_hook(hook: Callable) -> Callable:
 
 # --------------------------------------------------------------- registry
 #: Why the planner does not simulate a method (Method.not_predicted).
-_NO_FP16_PROFILE = ("the profile has no time for the casts to and from fp16, and the "
-                    "timeline no fp16 payload")
+_FP16_VARIANT = ("a variant: the planner predicts ACP-SGD at the optimizer's defaults, which "
+                 "put fp16 on the wire under an adaptive optimizer")
 _NO_DDP_SSGD_TIMELINE = "the timeline has no DDP S-SGD (DDP's buckets without a hook) yet"
 _NOT_PER_STEP = ("another algorithm than averaging each step's gradient, so its step time "
                  "says nothing about its loss: the plan gives its bytes per step and the "
@@ -315,11 +315,11 @@ REGISTRY: Dict[str, Method] = {m.key: m for m in (
            "tab:gray"),
     Method("ssgd-fp16", "S-SGD", "S-SGD (fp16)",
            "hvd.DistributedOptimizer, hvd.Compression.fp16", HOROVOD, _ssgd(True),
-           "silver", not_predicted=_NO_FP16_PROFILE, variant_of="ssgd"),
+           "silver", variant_of="ssgd"),
     Method("ddp", "S-SGD", "S-SGD (DDP)", "torch DDP all-reduce", TORCHRUN, _ddp_allreduce,
            "dimgray", not_predicted=_NO_DDP_SSGD_TIMELINE),
     Method("ddp-fp16", "S-SGD", "S-SGD (DDP fp16)", "torch DDP fp16_compress_hook", TORCHRUN,
-           _ddp_fp16, "darkgray", not_predicted=_NO_FP16_PROFILE, variant_of="ddp"),
+           _ddp_fp16, "darkgray", not_predicted=_NO_DDP_SSGD_TIMELINE, variant_of="ddp"),
     Method("powersgd", "Power-SGD", "Power-SGD (hvd_acp)", "hvd_acp.PowerSGDOptimizer",
            HOROVOD, _hvd_acp_optimizer("PowerSGDOptimizer"), "tab:blue"),
     Method("powersgd-ddp", "Power-SGD", "Power-SGD (DDP hook)", "torch DDP powerSGD_hook",
@@ -334,7 +334,7 @@ REGISTRY: Dict[str, Method] = {m.key: m for m in (
     Method("acp-fp16", "ACP-SGD", "ACP-SGD (fp16)",
            "hvd_acp.DistributedOptimizer, hvd.Compression.fp16", HOROVOD,
            _hvd_acp_optimizer("DistributedOptimizer", fp16=True), "lightcoral",
-           not_predicted=_NO_FP16_PROFILE, variant_of="acp"),
+           not_predicted=_FP16_VARIANT, variant_of="acp"),
     Method("acp-nooverlap", "ACP-SGD", "ACP-SGD (no overlap)",
            "hvd_acp.DistributedOptimizer, overlap=False", HOROVOD,
            _hvd_acp_optimizer("DistributedOptimizer", overlap=False), "tab:pink",

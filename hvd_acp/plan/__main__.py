@@ -163,7 +163,8 @@ def _builtin(args, nps: Optional[List[int]] = None) -> dict:
     return profile_on_node(args.model, args.batch_size or default_batch_size(args.model),
                            conditions, matrix_rank=args.matrix_rank, device=args.device,
                            image_size=args.image_size, seq_len=args.seq_len, steps=args.steps,
-                           warmup=args.warmup, repeats=args.repeats)
+                           warmup=args.warmup, repeats=args.repeats,
+                           optimizer=args.optimizer)
 
 
 def _assumed(profile: dict) -> str:
@@ -268,14 +269,16 @@ def _validate(args) -> int:
             profile = given
         else:
             key = (cfg["model"], cfg["batch_size"], cfg["matrix_rank"],
-                   cfg.get("image_size") or 128, cfg.get("seq_len") or 64)
+                   cfg.get("image_size") or 128, cfg.get("seq_len") or 64,
+                   cfg.get("optimizer", "sgd"))
             if key not in cache:
                 from .profile import profile_builtin
                 import torch
                 torch.set_num_threads(int(cfg.get("threads_per_rank") or 1))
                 cache[key] = profile_builtin(key[0], key[1], matrix_rank=key[2],
                                              image_size=key[3], seq_len=key[4],
-                                             steps=args.steps, repeats=args.repeats)
+                                             steps=args.steps, repeats=args.repeats,
+                                             optimizer=key[5])
             profile = cache[key]
         result = validate(bench, profile, calibrate=not args.no_calibration, link=link)
         result["bench"] = str(path)

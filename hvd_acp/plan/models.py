@@ -28,7 +28,8 @@ from torch import Tensor, nn
 
 __all__ = ["MODELS", "DEFAULT_BATCH_SIZE", "ModelSpec", "SmallNet", "build_model",
            "build_user_model", "is_user_model", "model_file", "default_matrix_rank",
-           "check_model_name", "default_batch_size", "add_model_arguments", "to_device"]
+           "check_model_name", "default_batch_size", "add_model_arguments", "to_device",
+           "OPTIMIZERS", "build_optimizer"]
 
 #: Model names accepted by ``--model``.
 MODELS = ("resnet50", "bert-base", "small")
@@ -38,8 +39,24 @@ DEFAULT_BATCH_SIZE = {"resnet50": 8, "bert-base": 4, "small": 32}
 #: Default batch size per rank of a user's model (``module:function``).
 DEFAULT_USER_BATCH_SIZE = 32
 
-#: Default ``matrix_rank`` per model, as in the ACP-SGD paper (4 for CNNs,
-#: 32 for transformers).
+#: The optimizers a profile can time: ``sgd``, SGD with momentum 0.9, and
+#: ``adamw``, AdamW (torch's defaults otherwise), as the benchmark's
+#: ``--optimizer`` names them. The family decides hvd_acp's defaults
+#: (:meth:`hvd_acp.Settings.resolve`).
+OPTIMIZERS = ("sgd", "adamw")
+
+
+def build_optimizer(name: str, params, lr: float = 1e-3) -> torch.optim.Optimizer:
+    """The optimizer ``name`` (:data:`OPTIMIZERS`) over ``params``."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {name!r}")
+
+
+#: Default ``matrix_rank`` per model under SGD, as in the ACP-SGD paper (4
+#: for CNNs, 32 for transformers).
 _DEFAULT_MATRIX_RANK = {"resnet50": 4, "bert-base": 32, "small": 4}
 
 
@@ -117,15 +134,29 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default: str = None,
                             f"{m} {b}" for m, b in DEFAULT_BATCH_SIZE.items())
                         + f", your model {DEFAULT_USER_BATCH_SIZE})")
     parser.add_argument("--matrix-rank", type=matrix_rank_type, default=None,
-                        help="factor rank, or 'auto' for a rank per tensor (default: 32 for "
-                             "bert-base, 4 otherwise)")
+                        help="factor rank, a share of each matrix's smaller side in (0, 1), "
+                             "or 'auto' for a rank per tensor (default with --optimizer sgd: "
+                             "32 for bert-base, 4 otherwise; with --optimizer adamw hvd_acp's "
+                             "adaptive defaults, hvd_acp.Settings: ACP-SGD both factors "
+                             "every step at 0.3 of each matrix's smaller side, Power-SGD "
+                             "0.25, fp16 on the wire)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                        help="the torch optimizer the model trains with: sgd, SGD with "
+                             "momentum 0.9 (default), or adamw; its family decides hvd_acp's "
+                             "defaults, which the profile times")
     add_count(parser, "--image-size", 128, "resnet50's input height and width")
     add_count(parser, "--seq-len", 64, "bert-base's tokens per sequence")
 
 
-def default_matrix_rank(model: str) -> int:
-    """The paper's ``matrix_rank`` for ``model``; hvd_acp's default
-    (:meth:`hvd_acp.Settings.resolve`) for a user's model."""
+def default_matrix_rank(model: str, optimizer: str = "sgd"):
+    """The paper's ``matrix_rank`` for ``model`` under SGD; hvd_acp's default
+    (:meth:`hvd_acp.Settings.resolve`) for a user's model, and None under an
+    adaptive ``optimizer`` (:data:`OPTIMIZERS`): each method resolves
+    hvd_acp's adaptive defaults, a share of each matrix."""
+    if optimizer != "sgd":
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+        return None
     if is_user_model(model):
         from ..settings import Settings
         return Settings().resolve().matrix_rank

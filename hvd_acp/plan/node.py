@@ -116,7 +116,7 @@ def _tail(path: Path, chars: int = 4000) -> str:
 def profile_on_node(model: str, batch_size: int, conditions: NodeConditions, *,
                     matrix_rank=None, device: str = "cpu", image_size: int = 128,
                     seq_len: int = 64, steps: int = 3, warmup: int = 1, repeats: int = 3,
-                    timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
+                    timeout_s: float = DEFAULT_TIMEOUT_S, optimizer: str = "sgd") -> dict:
     """Profile ``model`` (a built-in name or ``module:function``) as
     ``conditions`` say the ranks run (see the module docstring)."""
     from .profile import profile_builtin
@@ -126,10 +126,12 @@ def profile_on_node(model: str, batch_size: int, conditions: NodeConditions, *,
         torch.set_num_threads(cond.threads_per_rank)
         return profile_builtin(model, batch_size, matrix_rank=matrix_rank, device=device,
                                image_size=image_size, seq_len=seq_len, steps=steps,
-                               warmup=warmup, repeats=repeats, conditions=cond.as_dict())
+                               warmup=warmup, repeats=repeats, conditions=cond.as_dict(),
+                               optimizer=optimizer)
     model_args = ["--model", model, "--batch-size", str(batch_size), "--device", device,
                   "--image-size", str(image_size), "--seq-len", str(seq_len),
-                  "--steps", str(steps), "--warmup", str(warmup), "--repeats", str(repeats)]
+                  "--steps", str(steps), "--warmup", str(warmup), "--repeats", str(repeats),
+                  "--optimizer", optimizer]
     if matrix_rank is not None:
         model_args += ["--matrix-rank", str(matrix_rank)]
     with tempfile.TemporaryDirectory(prefix="hvd-acp-plan-node-") as tmp:

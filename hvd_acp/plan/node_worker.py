@@ -41,6 +41,7 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--optimizer", default="sgd")
     return p.parse_args(argv)
 
 
@@ -73,7 +74,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
 
-    from .models import build_model, to_device
+    from .models import build_model, build_optimizer, to_device
     from .profile import profile_builtin, time_training_steps
     from .units import matrix_rank_type
     matrix_rank = None if args.matrix_rank is None else matrix_rank_type(args.matrix_rank)
@@ -86,14 +87,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     profile = profile_builtin(args.model, args.batch_size, matrix_rank=matrix_rank,
                               device=device, image_size=args.image_size, seq_len=args.seq_len,
                               steps=args.steps, warmup=args.warmup, repeats=args.repeats,
-                              spec=spec)
+                              spec=spec, optimizer=args.optimizer)
     result["window"] = [started, time.time()]
     result["step_s"] = profile["forward_s"] + profile["backward_s"] + profile["optimizer_s"]
     if rank == 0:
         result["profile"] = profile
     dev = torch.device(device)
     model, batch = spec.model.to(dev), to_device(spec.batch, dev)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    optimizer = build_optimizer(args.optimizer, model.parameters())
 
     def train(steps: int, warmup: int) -> dict:
         return time_training_steps(model, batch, spec.loss_fn, optimizer, dev, steps, warmup)

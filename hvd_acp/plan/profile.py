@@ -46,9 +46,9 @@ from torch import nn
 
 from ..autorank import parse_matrix_rank
 from ..codecs import PowerSGDFirst, codec_of
-from ..compression import Phase, compute_dtype, orthonormalize_
+from ..compression import Phase, compute_dtype, factor_rank, orthonormalize_
 from ..fusion import DEFAULT_FUSION_THRESHOLD_BYTES, make_layouts
-from ..settings import Settings
+from ..settings import Settings, optimizer_family
 from ..state import CompressedTensor, CompressionState
 from .models import to_device
 from .conditions import NodeConditions, usable_cores
@@ -103,21 +103,43 @@ def _host_s_per_byte(device: torch.device, repeats: int, nbytes: int = 16 * 1024
 POWERSGD_FIRST = PowerSGDFirst()
 
 
-def _time_compression(tensor: CompressedTensor, device: torch.device, repeats: int,
-                      gen: torch.Generator) -> Dict:
-    """Seconds of each step of ``tensor`` on a random gradient, as the front ends run them."""
-    lay = tensor.layout
-    n, m, r, dtype = lay.n, lay.m, lay.r, lay.dtype
+def _fp16_cast_s_per_byte(device: torch.device, repeats: int,
+                          nbytes: int = 16 * 1024 * 1024) -> float:
+    """Seconds per float32 byte of a buffer's trip through float16 on the
+    wire (``hvd.Compression.fp16``, or the DDP hook's copy): cast to float16
+    and back."""
+    numel = nbytes // 4
+    a = torch.randn(numel, device=device)
+    half = torch.empty(numel, dtype=torch.float16, device=device)
 
+    def work():
+        half.copy_(a)
+        a.copy_(half)
+    return _timed(work, device, repeats) / nbytes
+
+
+def _random(gen: torch.Generator, dtype, device):
     def rand(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float32).to(dtype=dtype,
                                                                         device=device)
+    return rand
+
+
+def _time_compression(tensor: CompressedTensor, device: torch.device, repeats: int,
+                      gen: torch.Generator, scheme: str = "alternating") -> Dict:
+    """Seconds of ACP-SGD's steps of ``tensor`` on a random gradient, as the
+    front ends run them, for the codecs of ``scheme``
+    (:data:`hvd_acp.codecs.SCHEMES`): P and Q in turn (``acp_p_s``,
+    ``acp_q_s``, their residuals, ``reconstruct_s``) or both factors
+    (``acp_pq_s``, ``acp_pq_residual_s``, ``reconstruct_pq_s``); and the
+    step-ahead shift and restore (``step_ahead_s``)."""
+    lay = tensor.layout
+    n, m, r, dtype = lay.n, lay.m, lay.r, lay.dtype
+    rand = _random(gen, dtype, device)
     grad = rand(n, m)
     tensor.error.copy_(rand(n, m) * 0.01)
     qh = torch.linalg.qr(rand(m, r))[0]
     ph = torch.linalg.qr(rand(n, r))[0]
-    out_p, out_q = torch.empty(n, r, dtype=dtype, device=device), \
-        torch.empty(m, r, dtype=dtype, device=device)
     target = torch.empty(n, m, dtype=dtype, device=device)
     weight, anchor = rand(n, m), torch.empty(n, m, dtype=dtype, device=device)
 
@@ -128,25 +150,55 @@ def _time_compression(tensor: CompressedTensor, device: torch.device, repeats: i
         weight.sub_(tensor.error, alpha=1e-3)
         weight.copy_(anchor)
 
-    p_step, q_step = codec_of(Phase.P), codec_of(Phase.Q)
-    steps = {
-        "acp_p_s": lambda: tensor.compress_(p_step, grad, qh, out_p),
-        "acp_q_s": lambda: tensor.compress_(q_step, grad, ph, out_q),
-        # Power-SGD: P on the last Q (its residual left to the second
-        # projection), then Q of the residual on the orthonormalized P.
-        "psgd_p_s": lambda: tensor.compress_(POWERSGD_FIRST, grad, tensor.q, out_p),
-        "psgd_q_s": lambda: tensor.compress_(q_step, None, ph, out_q),
-        "reconstruct_s": lambda: q_step.reconstruct_(tensor, out_q, ph, target),
-        "step_ahead_s": step_ahead,
-    }
+    steps = {"step_ahead_s": step_ahead}
+    if scheme == "both":
+        pq = codec_of(Phase.PQ)
+        out_pq = torch.empty(n + m, r, dtype=dtype, device=device)
+        steps.update({
+            "acp_pq_s": lambda: tensor.compress_(pq, grad, (ph, qh), out_pq),
+            "reconstruct_pq_s": lambda: pq.reconstruct_(tensor, out_pq, (ph, qh), target)})
+        deferred = ((pq, (ph, qh), out_pq, "acp_pq_residual_s"),)
+    else:
+        p_step, q_step = codec_of(Phase.P), codec_of(Phase.Q)
+        out_p, out_q = torch.empty(n, r, dtype=dtype, device=device), \
+            torch.empty(m, r, dtype=dtype, device=device)
+        steps.update({
+            "acp_p_s": lambda: tensor.compress_(p_step, grad, qh, out_p),
+            "acp_q_s": lambda: tensor.compress_(q_step, grad, ph, out_q),
+            "reconstruct_s": lambda: q_step.reconstruct_(tensor, out_q, ph, target)})
+        deferred = ((p_step, qh, out_p, "acp_p_residual_s"),
+                    (q_step, ph, out_q, "acp_q_residual_s"))
     times = {key: _timed(fn, device, repeats) for key, fn in steps.items()}
     # The residual alone, as the front ends compute it after launching the
     # buffer its slot completes (each call subtracts it again: same cost).
-    for codec, basis, out, key in ((p_step, qh, out_p, "acp_p_residual_s"),
-                                   (q_step, ph, out_q, "acp_q_residual_s")):
+    for codec, basis, out, key in deferred:
         owed = tensor.compress_(codec, grad, basis, out, defer=True)
         times[key] = _timed(owed.finish_, device, repeats)
     return times
+
+
+def _time_powersgd(tensor: CompressedTensor, device: torch.device, repeats: int,
+                   gen: torch.Generator) -> Dict:
+    """Seconds of Power-SGD's two projections of ``tensor`` (P on the last
+    Q, its residual left to the second; Q of the residual on the
+    orthonormalized P) and of its reconstruction (``psgd_p_s``,
+    ``psgd_q_s``, ``psgd_reconstruct_s``)."""
+    lay = tensor.layout
+    n, m, r, dtype = lay.n, lay.m, lay.r, lay.dtype
+    rand = _random(gen, dtype, device)
+    grad = rand(n, m)
+    tensor.error.copy_(rand(n, m) * 0.01)
+    ph = torch.linalg.qr(rand(n, r))[0]
+    out_p, out_q = torch.empty(n, r, dtype=dtype, device=device), \
+        torch.empty(m, r, dtype=dtype, device=device)
+    target = torch.empty(n, m, dtype=dtype, device=device)
+    q_step = codec_of(Phase.Q)
+    steps = {
+        "psgd_p_s": lambda: tensor.compress_(POWERSGD_FIRST, grad, tensor.q, out_p),
+        "psgd_q_s": lambda: tensor.compress_(q_step, None, ph, out_q),
+        "psgd_reconstruct_s": lambda: q_step.reconstruct_(tensor, out_q, ph, target),
+    }
+    return {key: _timed(fn, device, repeats) for key, fn in steps.items()}
 
 
 def alone_conditions(device: torch.device) -> dict:
@@ -244,10 +296,12 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
             last profiled step's gradients (torch's ``powerSGD_hook``, which
             takes one rank, is profiled at ``max_rank``).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default: the model's.
-        optimizer: the optimizer whose update is timed; default
-            ``SGD(lr=1e-3, momentum=0.9)``. An adaptive one (Adam, AdamW...)
-            raises ``ValueError``: its defaults send both factors every
-            step, which the planner does not model.
+        optimizer: the optimizer whose update is timed, and whose family
+            decides the defaults (:meth:`hvd_acp.Settings.resolve`): under
+            Adam, AdamW... ACP-SGD sends both factors every step at a share
+            of each matrix, in fp16 on the wire, and Power-SGD takes its own
+            share; the profile times that (``scheme``, ``fp16_wire``,
+            ``psgd_matrix_rank``). Default ``SGD(lr=1e-3, momentum=0.9)``.
         steps, warmup: timed and untimed training steps.
         repeats: timed calls of each compression kernel.
         fusion_threshold_bytes, min_compression_rate: as for
@@ -279,51 +333,68 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
     if optimizer is None:
         optimizer = torch.optim.SGD([p for _, p in named], lr=1e-3, momentum=0.9)
     settings = given.resolve(optimizer)
-    if settings.both_factors:
-        raise ValueError(
-            f"{type(optimizer).__name__} gets ACP-SGD's defaults for adaptive optimizers, both "
-            "factors every step, and the planner models only P and Q in turn (the SGD "
-            "defaults): its figures would not be that run's. Time an AdamW run with "
-            "`python -m benchmarks --optimizer adamw`, or profile with an SGD optimizer to "
-            "compare the methods at P and Q in turn")
-    matrix_rank, min_compression_rate = settings.matrix_rank, settings.min_compression_rate
-    fixed_rank, auto = parse_matrix_rank(matrix_rank)
+    # Power-SGD resolves its own defaults (a smaller share under an
+    # adaptive optimizer: it sends both factors in two rounds).
+    psgd_settings = given.resolve(optimizer, factors_per_step=2)
+    scheme = settings.scheme
+    min_compression_rate = settings.min_compression_rate
+    fixed_rank, auto = parse_matrix_rank(settings.matrix_rank)
+    psgd_rank, _ = parse_matrix_rank(psgd_settings.matrix_rank)
 
     timed = time_training_steps(model, batch, loss_fn, optimizer, dev, steps, warmup,
                                 named=named)
     ready = timed["ready"]
+    shapes = [(n, tuple(p.shape), p.dtype) for n, p in named]
     if auto is None:
-        layouts = make_layouts([(n, tuple(p.shape), p.dtype) for n, p in named], fixed_rank,
-                               min_compression_rate, payload_dtype=compute_dtype)
+        layouts = make_layouts(shapes, fixed_rank, min_compression_rate,
+                               payload_dtype=compute_dtype)
     else:
         state = probed_state(named, auto, min_compression_rate)
         layouts = [state.layouts[name] for name, _ in named]
+    if auto is not None or (psgd_settings.matrix_rank == settings.matrix_rank and
+                            psgd_settings.min_compression_rate == min_compression_rate):
+        psgd_layouts = layouts
+    else:
+        psgd_layouts = make_layouts(shapes, psgd_rank, psgd_settings.min_compression_rate,
+                                    payload_dtype=compute_dtype)
     optimizer.zero_grad(set_to_none=True)
     gen = torch.Generator().manual_seed(0)
     params = []
-    p_factors, q_factors = [], []
-    for (name, p), lay in zip(named, layouts):
+    p_factors, q_factors, psgd_p_factors = [], [], []
+    for (name, p), lay, plain in zip(named, layouts, psgd_layouts):
         entry = {"name": name, "shape": list(lay.shape), "dtype": str(p.dtype).replace("torch.", ""),
                  "numel": p.numel(), "bytes": p.numel() * p.element_size(),
                  "ready_s": statistics.median(ready[name]) if ready[name] else 0.0,
                  "got_gradient": bool(ready[name]), "compressed": lay.compressed,
-                 "n": lay.n, "m": lay.m, "r": lay.r}
+                 "n": lay.n, "m": lay.m, "r": lay.r,
+                 "psgd_compressed": plain.compressed, "psgd_r": plain.r}
         if lay.compressed:
             tensor = CompressedTensor(lay, gen, dev)
-            entry.update(_time_compression(tensor, dev, repeats, gen))
+            entry.update(_time_compression(tensor, dev, repeats, gen, scheme))
             p_factors.append(tensor.p)
             q_factors.append(tensor.q)
-        r_ddp = max(0, min(lay.n, lay.m, fixed_rank))
+        if plain.compressed:
+            tensor = CompressedTensor(plain, gen, dev)
+            entry.update(_time_powersgd(tensor, dev, repeats, gen))
+            psgd_p_factors.append(tensor.p)
+        # torch's powerSGD_hook takes one int rank: Power-SGD's (its share's
+        # rank of this matrix where the rank is a share).
+        r_ddp = max(0, min(lay.n, lay.m, factor_rank(lay.n, lay.m, psgd_rank)))
         ddp_compressed = len(lay.shape) >= 2 and r_ddp > 0 and _ddp_should_compress(
-            lay.n, lay.m, r_ddp, min_compression_rate)
+            lay.n, lay.m, r_ddp, psgd_settings.min_compression_rate)
         entry.update(ddp_compressed=ddp_compressed,
                      ddp_p_bytes=lay.n * r_ddp * p.element_size() if ddp_compressed else 0,
                      ddp_q_bytes=lay.m * r_ddp * p.element_size() if ddp_compressed else 0)
         params.append(entry)
-    orth_q = _timed(lambda: orthonormalize_(f.clone() for f in q_factors), dev, repeats) \
-        if q_factors else 0.0
-    orth_p = _timed(lambda: orthonormalize_(f.clone() for f in p_factors), dev, repeats) \
-        if p_factors else 0.0
+
+    def orth_time(factors):
+        return _timed(lambda: orthonormalize_(f.clone() for f in factors), dev, repeats) \
+            if factors else 0.0
+    # A P step orthonormalizes the Q factors, a Q step the P factors, a
+    # step of both factors both at once.
+    orth = ({"acp_pq": orth_time(p_factors + q_factors)} if scheme == "both"
+            else {"acp_p": orth_time(q_factors), "acp_q": orth_time(p_factors)})
+    orth["psgd"] = orth_time(psgd_p_factors)
 
     by_name = dict(named)
     arrived = timed["order"] + [n for n, _ in reversed(named) if not ready[n]]
@@ -335,8 +406,15 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
                         else platform.processor() or platform.machine()),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "matrix_rank": matrix_rank if auto is None else "auto",
+        "matrix_rank": settings.matrix_rank if auto is None else "auto",
         "chosen_ranks": {lay.name: lay.r for lay in layouts if lay.compressed},
+        "optimizer": type(optimizer).__name__,
+        "optimizer_family": optimizer_family(optimizer),
+        "scheme": scheme,
+        "fp16_wire": bool(settings.fp16_wire),
+        "step_ahead": settings.step_ahead,
+        "psgd_matrix_rank": psgd_settings.matrix_rank,
+        "psgd_fp16_wire": bool(psgd_settings.fp16_wire),
         "fusion_threshold_bytes": fusion_threshold_bytes,
         "min_compression_rate": min_compression_rate,
         "steps": steps, "warmup": warmup, "repeats": repeats,
@@ -346,27 +424,32 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
         "gradient_bytes": sum(e["bytes"] for e in params),
         "host_s_per_byte": _host_s_per_byte(dev, repeats),
         **({"tcp_stack_s_per_byte": loopback_tcp_s_per_byte()} if dev.type == "cpu" else {}),
-        "orthonormalize_s": {"acp_p": orth_q, "acp_q": orth_p, "psgd": orth_p},
+        "fp16_cast_s_per_byte": _fp16_cast_s_per_byte(dev, repeats),
+        "orthonormalize_s": orth,
         "params": params,
         "ready_order": timed["order"],
-        "buckets": bucket_plans(layouts, fusion_threshold_bytes),
+        "buckets": bucket_plans(layouts, fusion_threshold_bytes, psgd_layouts),
         "ddp_buckets": ddp_buckets([(n, by_name[n].numel(), by_name[n].dtype) for n in arrived]),
         "conditions": dict(conditions) if conditions else alone_conditions(dev),
     }
 
 
-def profile_builtin(model: str, batch_size: int, *, matrix_rank: Optional[int] = None,
+def profile_builtin(model: str, batch_size: int, *, matrix_rank=None,
                     device: str = "cpu", image_size: int = 128, seq_len: int = 64,
                     steps: int = 3, warmup: int = 1, repeats: int = 3, spec=None,
-                    conditions: Optional[dict] = None) -> dict:
+                    conditions: Optional[dict] = None, optimizer: str = "sgd") -> dict:
     """Profile one of the built-in models or a user's ``module:function``
-    (:func:`.models.build_model`; ``spec``: one built already)."""
-    from .models import build_model, default_matrix_rank
-    rank = matrix_rank or default_matrix_rank(model)
+    (:func:`.models.build_model`; ``spec``: one built already), trained by
+    ``optimizer`` (:data:`.models.OPTIMIZERS`)."""
+    from .models import build_model, build_optimizer, default_matrix_rank
+    rank = matrix_rank or default_matrix_rank(model, optimizer)
     if spec is None:
         spec = build_model(model, batch_size, image_size=image_size, seq_len=seq_len)
+    dev = torch.device(device)
+    spec.model.to(dev)
+    opt = build_optimizer(optimizer, [p for p in spec.model.parameters() if p.requires_grad])
     out = profile_model(spec.model, spec.batch, spec.loss_fn, matrix_rank=rank, device=device,
-                        steps=steps, warmup=warmup, repeats=repeats,
+                        optimizer=opt, steps=steps, warmup=warmup, repeats=repeats,
                         description=spec.description, conditions=conditions)
     out.update(model=model, batch_size=batch_size, image_size=image_size, seq_len=seq_len)
     return out

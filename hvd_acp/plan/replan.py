@@ -19,7 +19,7 @@ sends now.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -39,20 +39,27 @@ def _bucket_dicts(buckets) -> List[dict]:
             for b in buckets]
 
 
-def bucket_plans(layouts: Sequence[TensorLayout], fusion_threshold_bytes: int) -> Dict[str, list]:
-    """hvd_acp's buffers per method and phase, as the profile stores them
-    (``acp_p``, ``acp_q``, ``psgd_p``, ``psgd_q``: lists of ``bytes``,
-    ``members``, ``name``).
+def bucket_plans(layouts: Sequence[TensorLayout], fusion_threshold_bytes: int,
+                 psgd_layouts: Optional[Sequence[TensorLayout]] = None) -> Dict[str, list]:
+    """hvd_acp's buffers per method and step, as the profile stores them
+    (``acp_p``, ``acp_q``: P and Q in turn; ``acp_pq``: both factors;
+    ``psgd_p``, ``psgd_q``: lists of ``bytes``, ``members``, ``name``). The
+    bytes are the buffer's, float32; fp16 on the wire halves them
+    (:mod:`.timeline`).
 
     Args:
         layouts: every parameter's layout, in registration order.
         fusion_threshold_bytes: the S-SGD fusion threshold the plans scale.
+        psgd_layouts: Power-SGD's layouts where its rank differs (its own
+            share under an adaptive optimizer); default ``layouts``.
     """
-    compressed = [lay for lay in layouts if lay.compressed]
+    psgd_layouts = layouts if psgd_layouts is None else psgd_layouts
+    compressed = [lay for lay in psgd_layouts if lay.compressed]
     return {
         "acp_p": _bucket_dicts(plan_buckets(layouts, Phase.P, fusion_threshold_bytes)),
         "acp_q": _bucket_dicts(plan_buckets(layouts, Phase.Q, fusion_threshold_bytes)),
-        "psgd_p": _bucket_dicts(plan_buckets(layouts, Phase.P, fusion_threshold_bytes,
+        "acp_pq": _bucket_dicts(plan_buckets(layouts, Phase.PQ, fusion_threshold_bytes)),
+        "psgd_p": _bucket_dicts(plan_buckets(psgd_layouts, Phase.P, fusion_threshold_bytes,
                                              prefix="hvd_acp.powersgd")),
         "psgd_q": _bucket_dicts(plan_buckets(compressed, Phase.Q, fusion_threshold_bytes,
                                              prefix="hvd_acp.powersgd")) if compressed else [],
@@ -122,10 +129,16 @@ def current_plans(profile: dict) -> dict:
     if not all("shape" in p and "dtype" in p and "n" in p for p in params):
         return profile
     dtypes = {p["name"]: _dtype(p["dtype"]) for p in params}
-    layouts = [TensorLayout(name=p["name"], shape=tuple(p["shape"]),
-                            dtype=compute_dtype(dtypes[p["name"]]), grad_dtype=dtypes[p["name"]],
-                            n=int(p["n"]), m=int(p["m"]), r=int(p["r"]) if p["compressed"] else 0,
-                            compressed=bool(p["compressed"])) for p in params]
+    def layouts_of(rank: str, compressed: str) -> List[TensorLayout]:
+        return [TensorLayout(name=p["name"], shape=tuple(p["shape"]),
+                             dtype=compute_dtype(dtypes[p["name"]]), grad_dtype=dtypes[p["name"]],
+                             n=int(p["n"]), m=int(p["m"]),
+                             r=int(p[rank]) if p[compressed] else 0,
+                             compressed=bool(p[compressed])) for p in params]
+    layouts = layouts_of("r", "compressed")
+    # Profiles made before Power-SGD had its own rank: the same layouts.
+    psgd_layouts = (layouts_of("psgd_r", "psgd_compressed")
+                    if all("psgd_r" in p for p in params) else None)
     by_name = {p["name"]: p for p in params}
     order = list(profile.get("ready_order") or arrival_order(params))
     seen = set(order)
@@ -133,7 +146,7 @@ def current_plans(profile: dict) -> dict:
     threshold = profile.get("fusion_threshold_bytes")
     updated = dict(profile)
     if threshold is not None:
-        updated["buckets"] = bucket_plans(layouts, int(threshold))
+        updated["buckets"] = bucket_plans(layouts, int(threshold), psgd_layouts)
     updated["ddp_buckets"] = ddp_buckets(
         [(name, int(by_name[name].get("numel") or by_name[name]["bytes"] // dtypes[name].itemsize),
           dtypes[name]) for name in order])

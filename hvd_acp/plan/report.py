@@ -29,9 +29,12 @@ def _fmt_bw(mbit: float) -> str:
 MIN_GAIN = 0.05
 
 
-def recommend(methods: Dict[str, dict], matrix_rank: int, np: int, bandwidth_mbit: float) -> dict:
+def recommend(methods: Dict[str, dict], matrix_rank, np: int, bandwidth_mbit: float,
+              psgd_matrix_rank=None) -> dict:
     """The fastest method, with its matrix rank and one sentence saying why;
-    S-SGD unless a compressor is predicted more than :data:`MIN_GAIN` faster."""
+    S-SGD unless a compressor is predicted more than :data:`MIN_GAIN` faster.
+    ``psgd_matrix_rank``: Power-SGD's where it differs from ACP-SGD's (its
+    own share under an adaptive optimizer)."""
     best = min(methods, key=lambda m: methods[m]["step_s"])
     b, s = methods[best], methods["ssgd"]
     where = f"at {np} ranks and {_fmt_bw(bandwidth_mbit)}"
@@ -52,7 +55,11 @@ def recommend(methods: Dict[str, dict], matrix_rank: int, np: int, bandwidth_mbi
     reason = (f"{label(best)} is predicted fastest {where}: {b['step_s']:.3f} s per step, "
               f"{s['step_s'] / b['step_s']:.2f}x S-SGD, sending {b['bytes_per_step'] / 1e6:.2f} MB "
               f"per rank per step instead of {s['bytes_per_step'] / 1e6:.1f} MB.")
-    return {"method": best, "matrix_rank": matrix_rank, "reason": reason}
+    # fp16 S-SGD sends every gradient whole: no rank to say.
+    algorithm = get(best).algorithm
+    rank = (None if algorithm == "S-SGD" else psgd_matrix_rank
+            if algorithm == "Power-SGD" and psgd_matrix_rank is not None else matrix_rank)
+    return {"method": best, "matrix_rank": rank, "reason": reason}
 
 
 def _entry(profile: dict, settings: Settings, latency_us: float) -> dict:
@@ -68,7 +75,8 @@ def _entry(profile: dict, settings: Settings, latency_us: float) -> dict:
             "latency_us": latency_us, "methods": methods,
             "baselines": {key: cost.as_dict() for key, cost in baselines.items()},
             "recommendation": recommend(methods, profile["matrix_rank"], settings.np,
-                                        settings.network.bandwidth_mbit)}
+                                        settings.network.bandwidth_mbit,
+                                        profile.get("psgd_matrix_rank"))}
 
 
 def _settings(profile: dict, np: int, bw: float, latency_us: float, opts: dict) -> Settings:
@@ -141,12 +149,32 @@ def crossovers(profile: dict, nps: Sequence[int], latency_us: float, opts: Optio
     return found
 
 
+def _settings_md(cfg: dict) -> str:
+    """What the profile's optimizer gives each compressor (its defaults)."""
+    both = cfg.get("scheme") == "both"
+    text = (f"{cfg.get('optimizer', 'SGD')}: ACP-SGD matrix rank {cfg.get('matrix_rank')}, "
+            + ("both factors every step" if both else "P and Q in turn")
+            + (", fp16 on the wire" if cfg.get("fp16_wire") else ""))
+    psgd = cfg.get("psgd_matrix_rank", cfg.get("matrix_rank"))
+    if psgd != cfg.get("matrix_rank"):
+        text += f"; Power-SGD matrix rank {psgd}"
+    return text
+
+
+def _methods_of(plan: dict) -> List[str]:
+    """The predicted methods of ``plan``, in report order (a plan written
+    before a method was predicted lacks it)."""
+    first = plan["predictions"][0]["methods"] if plan["predictions"] else {}
+    return [m for m in METHODS if m in first]
+
+
 def format_plan_md(plan: dict) -> str:
     cfg = plan["config"]
+    methods = _methods_of(plan)
     lines = [f"# hvd-acp-plan: {cfg.get('model') or cfg.get('description', '')}", "",
              f"Profile: `{cfg.get('profile_source', '')}` ({cfg.get('description', '')}; device "
-             f"{cfg.get('device')}, batch {cfg.get('batch_size')} per rank, matrix rank "
-             f"{cfg.get('matrix_rank')}; {cfg.get('assumed', '')}); compute scale "
+             f"{cfg.get('device')}, batch {cfg.get('batch_size')} per rank; "
+             f"{_settings_md(cfg)}; {cfg.get('assumed', '')}); compute scale "
              f"{cfg['compute_scale']:g}"
              + ("; host work serial with compute" if cfg.get("host_serial") else "")
              + f"; Horovod cycle "
@@ -159,24 +187,24 @@ def format_plan_md(plan: dict) -> str:
                 f"{_fmt_bw(cfg['intra_bandwidth_mbit'])}" if cfg.get("gpus_per_node", 1) > 1
                 else "") + ".", "",
              "Step times in seconds, predicted; speedup = S-SGD's step / the method's.", "",
-             "| ranks | link | latency (us) | " + " | ".join(label(m) for m in METHODS)
+             "| ranks | link | latency (us) | " + " | ".join(label(m) for m in methods)
              + " | recommended |",
-             "|---:|---|---:|" + "---:|" * len(METHODS) + "---|"]
+             "|---:|---|---:|" + "---:|" * len(methods) + "---|"]
     for e in plan["predictions"]:
         cells = [f"{e['methods'][m]['step_s']:.3f} ({e['methods'][m]['speedup_vs_ssgd']:.2f}x)"
-                 for m in METHODS]
+                 for m in methods]
         rec = e["recommendation"]
         lines.append(f"| {e['np']} | {_fmt_bw(e['bandwidth_mbit'])} | {e['latency_us']:g} | "
                      + " | ".join(cells) + f" | {label(rec['method'])}"
                      + (f", rank {rec['matrix_rank']}" if rec["matrix_rank"] else "") + " |")
     lines += ["", "Where the time goes (seconds per step: compute / compression / exposed "
               "communication; MB per rank per step):", "",
-              "| ranks | link | " + " | ".join(label(m) for m in METHODS) + " |",
-              "|---:|---|" + "---|" * len(METHODS)]
+              "| ranks | link | " + " | ".join(label(m) for m in methods) + " |",
+              "|---:|---|" + "---|" * len(methods)]
     for e in plan["predictions"]:
         cells = [f"{p['compute_s']:.3f} / {p['compression_s']:.3f} / {p['exposed_comm_s']:.3f}; "
                  f"{p['bytes_per_step'] / 1e6:.2f} MB"
-                 for p in (e["methods"][m] for m in METHODS)]
+                 for p in (e["methods"][m] for m in methods)]
         lines.append(f"| {e['np']} | {_fmt_bw(e['bandwidth_mbit'])} | " + " | ".join(cells) + " |")
     lines += _baselines_md(plan)
     if plan.get("crossovers"):
@@ -268,6 +296,11 @@ def write_plan(profile: dict, out: Path, nps: Sequence[int], bandwidths_mbit: Se
     plan = {"config": {
         "model": profile.get("model"), "description": profile.get("description"),
         "batch_size": profile.get("batch_size"), "matrix_rank": profile["matrix_rank"],
+        "optimizer": profile.get("optimizer", "SGD"),
+        "optimizer_family": profile.get("optimizer_family", "sgd"),
+        "scheme": profile.get("scheme", "alternating"),
+        "fp16_wire": bool(profile.get("fp16_wire", False)),
+        "psgd_matrix_rank": profile.get("psgd_matrix_rank", profile["matrix_rank"]),
         "device": profile.get("device"), "device_name": profile.get("device_name"),
         "profile_source": profile_source, "np": list(nps), "bandwidth_mbit": list(bandwidths_mbit),
         "latency_us": list(latencies_us), "cycle_time_ms": first.cycle_time_s * 1e3,

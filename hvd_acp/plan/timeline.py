@@ -261,23 +261,38 @@ def _by_name(profile: dict) -> Dict[str, dict]:
     return {p["name"]: p for p in profile["params"]}
 
 
-def _predict_ssgd(profile, settings, origin) -> StepPrediction:
+def _cast_s_per_byte(profile: dict, fp16: bool) -> float:
+    """Seconds per float32 byte of one cast to or from float16 on the wire
+    (half the profile's round trip; 0 without fp16 or in a profile made
+    before it was timed)."""
+    return profile.get("fp16_cast_s_per_byte", 0.0) / 2 if fp16 else 0.0
+
+
+def _wire_bytes(nbytes: float, fp16: bool) -> float:
+    """Bytes on the wire of a float32 buffer of ``nbytes``."""
+    return nbytes / 2 if fp16 else nbytes
+
+
+def _predict_ssgd(profile, settings, origin, fp16: bool = False) -> StepPrediction:
     s = settings.compute_scale
     costs = _Costs(settings, s)
     thread = _horovod_thread(settings, costs, origin)
     start = profile["forward_s"] * s
     params = _backward_order(profile)
-    finish = thread.submit([(start + p["ready_s"] * s, p["bytes"]) for p in params])
-    end = (max([start + profile["backward_s"] * s] + finish) + profile["optimizer_s"] * s
+    # hvd.Compression.fp16: each gradient cast in its hook, on the backward
+    # thread, and cast back in step().
+    cast = _cast_s_per_byte(profile, fp16)
+    done, bwd_end = _hooked_backward(profile, s, start, 0.0, lambda p: cast * p["bytes"])
+    if not cast:
+        bwd_end = start + profile["backward_s"] * s
+    finish = thread.submit([(done[p["name"]], _wire_bytes(p["bytes"], fp16)) for p in params])
+    total = sum(p["bytes"] for p in params)
+    end = (max([bwd_end] + finish) + cast * total * s + profile["optimizer_s"] * s
            + costs.host_s)
     compute = _compute_s(profile, s)
-    total = sum(p["bytes"] for p in params)
-    return StepPrediction(end, compute, 0.0, end - compute, total,
-                          thread.collectives, thread.busy_s)
-
-
-def _reconstruct_s(members: Sequence[str], params: Dict[str, dict]) -> float:
-    return sum(params[n].get("reconstruct_s", 0.0) for n in members)
+    compression = 2 * cast * total * s
+    return StepPrediction(end, compute, compression, end - compute - compression,
+                          _wire_bytes(total, fp16), thread.collectives, thread.busy_s)
 
 
 def _compressed_s(params: Dict[str, dict], key: str) -> float:
@@ -304,54 +319,112 @@ def _launch_times(buckets, done: Dict[str, float], profile: dict, params: Dict[s
     return times
 
 
+def _acp_phases(profile: dict) -> Tuple[str, ...]:
+    """The steps ACP-SGD's scheme goes through: ``("P", "Q")`` in turn, or
+    ``("PQ",)``, both factors every step (the adaptive defaults)."""
+    return ("PQ",) if profile.get("scheme") == "both" else ("P", "Q")
+
+
+def _recon_key(phase: str) -> str:
+    return "reconstruct_pq_s" if phase == "PQ" else "reconstruct_s"
+
+
+def _launching_members(buckets, done: Dict[str, float], profile: dict) -> List[str]:
+    """Per buffer, the member whose hook launches it: the last to arrive."""
+    order = {p["name"]: i for i, p in enumerate(_backward_order(profile))}
+    return [max(b["members"], key=lambda n: (done[n], order[n])) for b in buckets]
+
+
 def _predict_acp_phase(profile, settings, origin, phase: str) -> StepPrediction:
     s = settings.compute_scale
     costs = _Costs(settings, s)
     params = _by_name(profile)
-    key = "acp_p_s" if phase == "P" else "acp_q_s"
+    key = f"acp_{phase.lower()}_s"
     orth = profile["orthonormalize_s"]["acp_" + phase.lower()]
+    buckets = profile["buckets"]["acp_" + phase.lower()]
+    fp16 = bool(profile.get("fp16_wire", False))
+    cast = _cast_s_per_byte(profile, fp16)
     # Step-ahead error feedback (the default): the shift before the forward
     # pass and the restore at the start of step(), on the training thread.
     shift = _compressed_s(params, "step_ahead_s") * s
     start = profile["forward_s"] * s + shift
-    done, bwd_end = _hooked_backward(profile, s, start, orth,
-                                     lambda p: p.get(key, 0.0) if p["compressed"] else 0.0)
-    buckets = profile["buckets"]["acp_" + phase.lower()]
+
+    def hook(p):
+        return p.get(key, 0.0) if p["compressed"] else 0.0
+    done, bwd_end = _hooked_backward(profile, s, start, orth, hook)
+    if cast:
+        # With fp16 on the wire the hook that launches a buffer casts it first.
+        casts = {}
+        for name, bucket in zip(_launching_members(buckets, done, profile), buckets):
+            casts[name] = casts.get(name, 0.0) + cast * bucket["bytes"]
+        done, bwd_end = _hooked_backward(profile, s, start, orth,
+                                         lambda p: hook(p) + casts.get(p["name"], 0.0))
     thread = _horovod_thread(settings, costs, origin)
     launched = _launch_times(buckets, done, profile, params, key, s)
-    finish = thread.submit([(at, b["bytes"]) for at, b in zip(launched, buckets)])
+    finish = thread.submit([(at, _wire_bytes(b["bytes"], fp16))
+                            for at, b in zip(launched, buckets)])
     t, recon = bwd_end, 0.0
     for bucket, arrived in zip(buckets, finish):
-        r = _reconstruct_s(bucket["members"], params) * s
+        r = (sum(params[n].get(_recon_key(phase), 0.0) for n in bucket["members"])
+             + cast * bucket["bytes"]) * s
         t = max(t, arrived) + r
         recon += r
     t += profile["optimizer_s"] * s + costs.host_s
     compute = _compute_s(profile, s)
-    compression = shift + orth * s + _compressed_s(params, key) * s + recon
+    compression = (shift + orth * s + _compressed_s(params, key) * s + recon
+                   + cast * sum(b["bytes"] for b in buckets) * s)
     return StepPrediction(t, compute, compression, t - compute - compression,
-                          sum(b["bytes"] for b in buckets), thread.collectives, thread.busy_s)
+                          sum(_wire_bytes(b["bytes"], fp16) for b in buckets),
+                          thread.collectives, thread.busy_s)
+
+
+def _psgd_compressed(param: dict) -> bool:
+    """Whether Power-SGD compresses ``param`` (at its own rank, where the
+    profile has one)."""
+    return bool(param.get("psgd_compressed", param["compressed"]))
+
+
+def _psgd_reconstruct_s(param: dict) -> float:
+    """Power-SGD's reconstruction of ``param`` (ACP-SGD's P and Q one in a
+    profile made before Power-SGD had its own rank)."""
+    return param.get("psgd_reconstruct_s", param.get("reconstruct_s", 0.0))
 
 
 def _predict_powersgd(profile, settings, origin) -> StepPrediction:
     s = settings.compute_scale
     costs = _Costs(settings, s)
     params = _by_name(profile)
-    start = profile["forward_s"] * s
-    done, bwd_end = _hooked_backward(profile, s, start, 0.0,
-                                     lambda p: p.get("psgd_p_s", 0.0) if p["compressed"] else 0.0)
-    thread = _horovod_thread(settings, costs, origin)
+    fp16 = bool(profile.get("psgd_fp16_wire", False))
+    cast = _cast_s_per_byte(profile, fp16)
     p_buckets, q_buckets = profile["buckets"]["psgd_p"], profile["buckets"]["psgd_q"]
-    finish = thread.submit([(max(done[n] for n in b["members"]), b["bytes"])
+    start = profile["forward_s"] * s
+
+    def hook(p):
+        return p.get("psgd_p_s", 0.0) if _psgd_compressed(p) else 0.0
+    done, bwd_end = _hooked_backward(profile, s, start, 0.0, hook)
+    if cast:
+        casts = {}
+        for name, bucket in zip(_launching_members(p_buckets, done, profile), p_buckets):
+            casts[name] = casts.get(name, 0.0) + cast * bucket["bytes"]
+        done, bwd_end = _hooked_backward(profile, s, start, 0.0,
+                                         lambda p: hook(p) + casts.get(p["name"], 0.0))
+    thread = _horovod_thread(settings, costs, origin)
+    finish = thread.submit([(max(done[n] for n in b["members"]), _wire_bytes(b["bytes"], fp16))
                             for b in p_buckets])
-    compressed = [p for p in params.values() if p["compressed"]]
-    middle = (profile["orthonormalize_s"]["psgd"] + sum(p["psgd_q_s"] for p in compressed)) * s
+    compressed = [p for p in params.values() if _psgd_compressed(p)]
+    p_bytes = sum(b["bytes"] for b in p_buckets)
+    q_bytes = sum(b["bytes"] for b in q_buckets)
+    middle = (profile["orthonormalize_s"]["psgd"] + sum(p["psgd_q_s"] for p in compressed)
+              + cast * (p_bytes + q_bytes)) * s
     t = max([bwd_end] + finish) + middle
-    finish = thread.submit([(t, b["bytes"]) for b in q_buckets])
-    recon = sum(p["reconstruct_s"] for p in compressed) * s
+    finish = thread.submit([(t, _wire_bytes(b["bytes"], fp16)) for b in q_buckets])
+    recon = (sum(_psgd_reconstruct_s(p) for p in compressed)
+             + cast * q_bytes) * s
     t = max([t] + finish) + recon + profile["optimizer_s"] * s + costs.host_s
     compute = _compute_s(profile, s)
-    compression = (sum(p["psgd_p_s"] for p in compressed) * s + middle + recon)
-    nbytes = sum(b["bytes"] for b in p_buckets) + sum(b["bytes"] for b in q_buckets)
+    compression = (sum(p["psgd_p_s"] for p in compressed) * s + cast * p_bytes * s + middle
+                   + recon)
+    nbytes = _wire_bytes(p_bytes + q_bytes, fp16)
     return StepPrediction(t, compute, compression, t - compute - compression, nbytes,
                           thread.collectives, thread.busy_s)
 
@@ -392,7 +465,7 @@ def _predict_powersgd_ddp(profile, settings) -> StepPrediction:
             middle = (profile["orthonormalize_s"]["psgd"] * len(comp) / n_compressed
                       + sum(p["psgd_q_s"] for p in comp)) * s
             t = run(t + middle, sum(p["ddp_q_bytes"] for p in comp))
-            recon = sum(p["reconstruct_s"] for p in comp) * s
+            recon = sum(_psgd_reconstruct_s(p) for p in comp) * s
             t += recon
             compression += p_cost + middle + recon
         chain_end = t
@@ -403,13 +476,29 @@ def _predict_powersgd_ddp(profile, settings) -> StepPrediction:
                           collectives, busy)
 
 
+def _ddp_factors(profile: dict, phase: str):
+    """Which matrices the DDP hook compresses and the float32 bytes of each
+    one's factors in a ``phase`` step. Both factors: hvd_acp's own layouts
+    (``compressed``, ``(n + m) r``); P and Q in turn: the profile's
+    ``ddp_compressed`` and ``ddp_p_bytes``/``ddp_q_bytes``, as this
+    prediction was validated."""
+    if phase == "PQ":
+        def nbytes(p):
+            return (p["n"] + p["m"]) * p["r"] * (p["bytes"] // max(p.get("numel") or 1, 1))
+        return (lambda p: bool(p["compressed"])), nbytes
+    key = "ddp_p_bytes" if phase == "P" else "ddp_q_bytes"
+    return (lambda p: bool(p["ddp_compressed"])), (lambda p: p[key])
+
+
 def _predict_acp_ddp_phase(profile, settings, phase: str) -> StepPrediction:
     s = settings.ddp_compute_scale or settings.compute_scale
     costs = _Costs(settings, s)
     params = _by_name(profile)
-    key = "acp_p_s" if phase == "P" else "acp_q_s"
-    factor_bytes = "ddp_p_bytes" if phase == "P" else "ddp_q_bytes"
-    n_compressed = sum(1 for p in params.values() if p["ddp_compressed"]) or 1
+    key = f"acp_{phase.lower()}_s"
+    is_compressed, factor_bytes = _ddp_factors(profile, phase)
+    fp16 = bool(profile.get("fp16_wire", False))
+    cast = _cast_s_per_byte(profile, fp16)
+    n_compressed = sum(1 for p in params.values() if is_compressed(p)) or 1
     orth = profile["orthonormalize_s"]["acp_" + phase.lower()]
     step_ahead = _compressed_s(params, "step_ahead_s") * s
     start = profile["forward_s"] * s + step_ahead
@@ -417,22 +506,24 @@ def _predict_acp_ddp_phase(profile, settings, phase: str) -> StepPrediction:
     nbytes, collectives, busy, last_ready = 0.0, 0, 0.0, -math.inf
     for members in profile["ddp_buckets"]:
         ps = [params[n] for n in members]
-        comp = [p for p in ps if p["ddp_compressed"]]
+        comp = [p for p in ps if is_compressed(p)]
         ready = max(last_ready, start + max(p["ready_s"] for p in ps) * s + delay)
         last_ready = ready
+        size = (sum(p["bytes"] for p in ps if not is_compressed(p))
+                + sum(factor_bytes(p) for p in comp))
+        # With fp16 on the wire the hook copies the payload into float16
+        # before the launch, and back when it arrives.
         hook = (orth * len(comp) / n_compressed
-                + sum(p.get(key, p.get("psgd_p_s", 0.0)) for p in comp)) * s
+                + sum(p.get(key, p.get("psgd_p_s", 0.0)) for p in comp) + cast * size) * s
         delay += hook
-        size = (sum(p["bytes"] for p in ps if not p["ddp_compressed"])
-                + sum(p[factor_bytes] for p in comp))
-        duration = costs(size)
+        duration = costs(_wire_bytes(size, fp16))
         # The last compressed member's residual runs after the launch.
         owed = _owed_s(comp[-1], key) * s if comp else 0.0
         link_free = max(ready + hook - owed, link_free) + duration
-        recon = sum(p.get("reconstruct_s", 0.0) for p in comp) * s
+        recon = (sum(p.get(_recon_key(phase), 0.0) for p in comp) + cast * size) * s
         arrived = max(arrived, link_free) + recon
         compression += hook + recon
-        nbytes += size
+        nbytes += _wire_bytes(size, fp16)
         collectives += 1
         busy += duration
     bwd_end = start + profile["backward_s"] * s + delay
@@ -452,13 +543,16 @@ def _mean(preds: Sequence[StepPrediction]) -> StepPrediction:
 _PREDICTORS = {
     "ssgd": lambda profile, settings: _mean([_predict_ssgd(profile, settings, o)
                                              for o in _phases(settings)]),
+    "ssgd-fp16": lambda profile, settings: _mean([_predict_ssgd(profile, settings, o, fp16=True)
+                                                  for o in _phases(settings)]),
     "powersgd": lambda profile, settings: _mean([_predict_powersgd(profile, settings, o)
                                                  for o in _phases(settings)]),
     "powersgd-ddp": _predict_powersgd_ddp,
     "acp": lambda profile, settings: _mean([_predict_acp_phase(profile, settings, o, ph)
-                                            for o in _phases(settings) for ph in ("P", "Q")]),
+                                            for o in _phases(settings)
+                                            for ph in _acp_phases(profile)]),
     "acp-ddp": lambda profile, settings: _mean([_predict_acp_ddp_phase(profile, settings, ph)
-                                                for ph in ("P", "Q")]),
+                                                for ph in _acp_phases(profile)]),
 }
 #: Methods predicted: those of :mod:`hvd_acp.methods` without a
 #: ``not_predicted`` reason, in report order; each has its simulation above.

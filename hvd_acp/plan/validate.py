@@ -94,13 +94,15 @@ def validate(bench: dict, profile: dict, calibrate: bool = True,
              wire_efficiency: Optional[float] = None, link: Optional[dict] = None) -> dict:
     """Measured, predicted and relative error per method of a benchmark run."""
     cfg = bench["config"]
-    if cfg.get("optimizer", "sgd") != "sgd":
-        raise ValueError(f"the run trained with --optimizer {cfg['optimizer']}; the planner "
-                         "predicts the benchmark's SGD runs only")
     for key, want in (("model", cfg.get("model")), ("batch_size", cfg.get("batch_size")),
                       ("matrix_rank", cfg.get("matrix_rank"))):
         if profile.get(key) is not None and want is not None and profile[key] != want:
             raise ValueError(f"the profile's {key} is {profile[key]!r} but the run's is {want!r}")
+    family = "adaptive" if cfg.get("optimizer", "sgd") != "sgd" else "sgd"
+    if profile.get("optimizer_family", "sgd") != family:
+        raise ValueError(f"the run trained with --optimizer {cfg.get('optimizer', 'sgd')} but "
+                         f"the profile was taken with {profile.get('optimizer', 'SGD')}: "
+                         "profile with the run's optimizer (hvd-acp-plan profile --optimizer)")
     cal = calibration(bench, profile) if calibrate else {
         "source": "none", "compute_scale": 1.0, "ddp_compute_scale": 1.0}
     rate = float(cfg["bandwidth_mbit"])
