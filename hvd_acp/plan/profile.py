@@ -6,14 +6,20 @@ Measured in one process, no communication:
 - per parameter, ``ready_s``: when in backward its gradient is accumulated
   (a post-accumulate-grad hook; on CUDA the hook synchronizes the device
   first, so the time is when the kernels are done);
+- the defaults the optimizer's family gives (:meth:`hvd_acp.Settings.resolve`):
+  ``optimizer``, ``optimizer_family``, ``scheme`` (P and Q in turn, or both
+  factors every step), ``fp16_wire``, ``matrix_rank``, and Power-SGD's own
+  ``psgd_matrix_rank`` and ``psgd_fp16_wire``;
 - per compressed parameter, the per-parameter step every front end runs
   (:class:`hvd_acp.state.CompressedTensor`) timed on a tensor of its shape
-  and dtype: ACP-SGD's P and Q step (``acp_p_s``, ``acp_q_s``: error
-  feedback, projection, local residual), the residual's own share of each
-  (``acp_p_residual_s``, ``acp_q_residual_s``: the part the front ends
-  leave until the buffer it completes is launched), Power-SGD's two
-  projections (``psgd_p_s``, ``psgd_q_s``) and the reconstruction
-  (``reconstruct_s``),
+  and dtype: in turn, ACP-SGD's P and Q step (``acp_p_s``, ``acp_q_s``:
+  error feedback, projection, local residual), the residual's own share of
+  each (``acp_p_residual_s``, ``acp_q_residual_s``: the part the front ends
+  leave until the buffer it completes is launched) and the reconstruction
+  (``reconstruct_s``); with both factors, ``acp_pq_s``,
+  ``acp_pq_residual_s`` and ``reconstruct_pq_s``; Power-SGD's two
+  projections and reconstruction at its own rank (``psgd_r``:
+  ``psgd_p_s``, ``psgd_q_s``, ``psgd_reconstruct_s``),
   and ACP-SGD's step-ahead shift and restore of the parameter
   (``step_ahead_s``, :mod:`hvd_acp.stepahead`); the batched
   orthonormalizations of each step;
@@ -23,6 +29,8 @@ Measured in one process, no communication:
   buckets for the DDP hook in the order the gradients arrived;
 - ``host_s_per_byte``: a fused all-reduce's own work per byte on this device
   (copy into the fusion buffer, add a peer's chunk, copy out);
+- ``fp16_cast_s_per_byte``: a float32 buffer's cast to float16 and back,
+  per float32 byte (fp16 on the wire, and fp16 S-SGD);
 - ``tcp_stack_s_per_byte`` (CPU profiles): the kernel's TCP work per byte
   sent and received over loopback (:func:`.link.loopback_tcp_s_per_byte`),
   which a Gloo rank's all-reduce pays on a CPU node.

@@ -12,6 +12,10 @@ be identical, so a collective starts when this rank has submitted it.
   all-reduces one after the other; the next cycle starts one cycle after the
   last one started, or when its collectives are done if they took longer.
   ``step()`` waits for all, then the optimizer updates.
+- **S-SGD in fp16** (``hvd.Compression.fp16``): the same, each gradient
+  cast to float16 in its hook on the backward thread (half the bytes on
+  the wire) and cast back in ``step()``, at the profile's
+  ``fp16_cast_s_per_byte``.
 - **ACP-SGD** (``hvd_acp.DistributedOptimizer``): the step orthonormalizes
   the reused factor at its first hook, then every hook compresses its
   gradient on the backward thread (delaying the rest of backward); a fused
@@ -22,15 +26,23 @@ be identical, so a collective starts when this rank has submitted it.
   A buffer closes early, at least half full of two or more tensors, before
   a tensor whose payload alone reaches the target (the plan's rule), so it
   is on the wire while that tensor's gradient is computed. ``step()`` takes the buffers
-  in order and reconstructs each one's gradients as soon as it arrives. P
-  and Q steps alternate: the figures are their mean. The default step-ahead
+  in order and reconstructs each one's gradients as soon as it arrives. The
+  profile's ``scheme`` says which steps: under SGD P and Q alternate (the
+  figures are their mean); under an adaptive optimizer every step sends both
+  factors on the bases of the step before (``acp_pq_s``, both bases
+  orthonormalized at the first hook, ``reconstruct_pq_s``). With
+  ``fp16_wire`` (the adaptive default) the hook that launches a buffer casts
+  it to float16 first, half its bytes travel, and it is cast back before
+  its reconstruction. The default step-ahead
   error feedback shifts the compressed parameters before the forward pass
   and restores them in ``step()`` (``step_ahead_s``; 0 in profiles made
   before it was measured).
 - **Power-SGD** (``hvd_acp.PowerSGDOptimizer``): the hooks compute the P
   factors and submit the P buffers; ``step()`` waits for all of them,
   orthonormalizes P, computes the Q factors, submits the Q buffers at once,
-  waits, reconstructs and updates.
+  waits, reconstructs and updates. It has its own rank (``psgd_r``; a
+  smaller share under an adaptive optimizer) and its own fp16 casts
+  (``psgd_fp16_wire``), as for ACP-SGD.
 - **Power-SGD, DDP hook** (``powerSGD_hook`` behind the benchmark's
   one-bucket-at-a-time wrapper): DDP's buckets, no Horovod cycle. When a
   bucket is ready the backward thread waits for the previous bucket's chain,
@@ -47,8 +59,10 @@ be identical, so a collective starts when this rank has submitted it.
   and uncompressed tensors before the residual of its last compressed
   member, which it computes while the bucket travels; its callback rebuilds the
   gradients when the all-reduce is done. Backward's end waits for every
-  bucket. P and Q steps alternate; step-ahead shifts and restores as for
-  ``hvd_acp.DistributedOptimizer``.
+  bucket. P and Q steps alternate, or both factors go every step (on
+  hvd_acp's own layouts), with fp16 on the wire where the profile says so
+  (the hook's float16 copy of the payload and back); step-ahead shifts and
+  restores as for ``hvd_acp.DistributedOptimizer``.
 
 Collectives of one job run one at a time on the link (Horovod's single
 background thread; Gloo's queue for DDP).
