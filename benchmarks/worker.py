@@ -11,7 +11,6 @@ with the step times and the counters accumulated over the timed steps.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import gc
 import json
@@ -20,12 +19,12 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List
 
 import torch
 
-from hvd_acp.methods.counting import powersgd_ddp_bytes_per_step
-from hvd_acp.methods import HOROVOD, TORCHRUN, Distributed, Method
+from hvd_acp.methods.counting import powersgd_ddp_bytes_per_step, torch_hook_rank
+from hvd_acp.methods import HOROVOD, TORCHRUN, Distributed, Method, settings_of
 from hvd_acp.methods import get as get_method
 from hvd_acp.plan.models import build_model, model_file
 from hvd_acp.plan.units import matrix_rank_type
@@ -112,76 +111,6 @@ def make_optimizer(name: str, model: torch.nn.Module, lr: float) -> torch.optim.
     if name == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=lr)
     raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
-
-
-def hvd_acp_powersgd_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes one rank sends per step under ``hvd_acp.PowerSGDOptimizer``'s
-    defaults for ``optimizer`` (:meth:`hvd_acp.Settings.resolve` with both
-    factors per step), from the shapes: a compressed ``(n, m)`` gradient
-    sends ``(n + m) r`` elements, any other tensor its ``numel``, in fp16
-    where the defaults put the wire in fp16."""
-    from hvd_acp.compression import factor_rank, matrix_shape, should_compress
-    from hvd_acp.settings import Settings
-    settings = Settings().resolve(optimizer, factors_per_step=2)
-    total = 0
-    for param in model.parameters():
-        if not param.requires_grad:
-            continue
-        n, m = matrix_shape(param.shape)
-        elements = ((n + m) * factor_rank(n, m, settings.matrix_rank)
-                    if should_compress(param.shape, settings.matrix_rank,
-                                       settings.min_compression_rate) else param.numel())
-        total += elements * (2 if settings.fp16_wire else param.element_size())
-    return total
-
-
-def torch_hook_rank(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """The rank of torch's ``powerSGD_hook`` when none is given: hvd_acp's
-    default where it is an int (SGD: 4); where it is a share of each matrix
-    (adaptive optimizers), the int rank whose bytes per step
-    (:func:`hvd_acp.methods.counting.powersgd_ddp_bytes_per_step`, fp32) come closest
-    to :func:`hvd_acp_powersgd_bytes` (the smaller one on a tie)."""
-    from hvd_acp.settings import Settings
-    default = Settings().resolve(optimizer, factors_per_step=2).matrix_rank
-    if isinstance(default, int):
-        return default
-    target = hvd_acp_powersgd_bytes(model, optimizer)
-    largest = max((min(p.shape[0], p.numel() // p.shape[0]) for p in model.parameters()
-                   if p.requires_grad and p.dim() >= 2), default=1)
-    # The hook's bytes never fall as the rank grows: find the first rank at or
-    # above the target, then take it or the one below.
-    low, high = 1, largest
-    while low < high:
-        middle = (low + high) // 2
-        if powersgd_ddp_bytes_per_step(model, middle) >= target:
-            high = middle
-        else:
-            low = middle + 1
-    return min({max(1, low - 1), low},
-               key=lambda r: (abs(powersgd_ddp_bytes_per_step(model, r) - target), r))
-
-
-def _json_safe(value: Any) -> Any:
-    return value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
-
-
-def method_settings(built: Distributed) -> Optional[Dict[str, Any]]:
-    """The settings a method trained with, every default decided: hvd_acp's
-    (:class:`hvd_acp.Settings`), a baseline's, or torch's ``powerSGD_hook``'s
-    state; None for a method without any (S-SGD)."""
-    state = built.state
-    if _is_powersgd_hook(state):
-        return {"matrix_rank": state.matrix_approximation_rank,
-                "min_compression_rate": state.min_compression_rate,
-                "start_powerSGD_iter": state.start_powerSGD_iter,
-                "use_error_feedback": state.use_error_feedback, "warm_start": state.warm_start}
-    settings = getattr(built.optimizer, "settings", None)
-    if settings is None:
-        settings = getattr(state, "settings", None)
-    if settings is None or not dataclasses.is_dataclass(settings):
-        return None
-    return {field.name: _json_safe(getattr(settings, field.name))
-            for field in dataclasses.fields(settings)}
 
 
 # --------------------------------------------------------------- the loop
@@ -404,7 +333,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     if chooser is not None:
         result["chosen_ranks"] = chooser()
     # Read after training: the DDP hook's state decides its defaults at its first bucket.
-    settings = None if job.method is None else method_settings(built)
+    settings = None if job.method is None else settings_of(built)
     if settings is not None:
         result["settings"] = settings
     if args.count_ops:

@@ -243,3 +243,72 @@ def test_ab_refuses_wrong_methods_and_single_rank_without_hanging(tmp_path):
                              "hvd-acp-ab on one process")
     assert status == 2 and "one rank: nothing is communicated" in out, out[-2000:]
     assert not (tmp_path / "ab.json").exists()
+
+
+LM_MODEL = "examples/train_lm.py:benchmark_model"
+
+
+def _adaptive_payload_bytes(model, share=0.3):
+    """Bytes ACP-SGD sends per step under AdamW's defaults, from the shapes:
+    both factors, (n + m) r of a compressed matrix at ``share`` of its
+    smaller side, every other tensor whole, all in fp16."""
+    from hvd_acp.fusion import make_layouts
+    layouts = make_layouts([(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()],
+                           share, 1.0)
+    return sum(2 * ((lay.n + lay.m) * lay.r if lay.compressed else lay.numel) for lay in layouts)
+
+
+def test_ab_under_adamw_reports_the_adaptive_defaults_in_both_launchers(tmp_path):
+    """A user's AdamW transformer: every method at the library's defaults for
+    an adaptive optimizer, the settings it resolved in the report, ACP-SGD's
+    bytes those of both factors at 0.3 of each matrix in fp16, and a profile
+    the planner predicts from."""
+    status, out = run_status(
+        [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo",
+         str(BIN / "hvd-acp-ab"), "--model", LM_MODEL, "--optimizer", "adamw",
+         "--batch-size", "2", "--rounds", "2", "--steps", "2", "--warmup", "1",
+         "--device", "cpu", "--profile", "--out", str(tmp_path / "hvd")], 300,
+        "hvd-acp-ab --optimizer adamw under horovodrun")
+    assert status == 0, out[-3000:]
+    found = _read(tmp_path / "hvd")
+    methods = ("ssgd", "ssgd-fp16", "powersgd", "acp")
+    _check_run(found, methods, rounds=2, steps=2)
+    assert found["config"]["optimizer"] == "adamw" and found["config"]["matrix_rank"] is None
+    summary = found["summary"]["methods"]
+    acp, psgd = summary["acp"]["settings"], summary["powersgd"]["settings"]
+    assert (acp["matrix_rank"], acp["both_factors"], acp["fp16_wire"]) == (0.3, True, True)
+    assert (psgd["matrix_rank"], psgd["fp16_wire"]) == (0.25, True)
+    model = build_model(LM_MODEL, 2).model
+    assert summary["acp"]["bytes_per_step"] == _adaptive_payload_bytes(model)
+    assert summary["ssgd-fp16"]["bytes_per_step"] * 2 == summary["ssgd"]["bytes_per_step"]
+    assert ("ACP-SGD (hvd_acp.DistributedOptimizer): matrix rank 0.3 (0.3 of each matrix's "
+            "smaller side), both factors every step, one all-reduce, fp16 on the wire") in out, \
+        out[-3000:]
+    assert "AdamW, matrix rank each method's default for the optimizer" in out
+    # Its profile is AdamW's, and the planner predicts every method from it.
+    profile = json.loads((tmp_path / "hvd" / "profile.json").read_text())
+    assert profile["scheme"] == "both" and profile["optimizer"] == "AdamW"
+    from hvd_acp.plan.__main__ import main as plan_main
+    assert plan_main(["predict", "--profile", str(tmp_path / "hvd" / "profile.json"),
+                      "--np", "2", "--bandwidth", "100mbit", "--no-plot",
+                      "--out", str(tmp_path / "plan")]) == 0
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    predicted = plan["predictions"][0]["methods"]
+    assert predicted["acp"]["bytes_per_step"] == summary["acp"]["bytes_per_step"]
+    assert predicted["ssgd-fp16"]["bytes_per_step"] == summary["ssgd-fp16"]["bytes_per_step"]
+    # The DDP hooks under AdamW: torch's powerSGD_hook at the one int rank that
+    # sends about what hvd_acp's Power-SGD sends, ACP-SGD's hook at its defaults.
+    status, out = run_status(
+        [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "hvd_acp.ab",
+         "--ddp", "--model", LM_MODEL, "--optimizer", "adamw", "--methods",
+         "powersgd-ddp,acp-ddp", "--batch-size", "2", "--rounds", "2", "--steps", "2",
+         "--warmup", "2", "--device", "cpu", "--out", str(tmp_path / "ddp")], 300,
+        "hvd-acp-ab --ddp --optimizer adamw")
+    assert status == 0, out[-3000:]
+    found = _read(tmp_path / "ddp")
+    from hvd_acp.methods.counting import torch_hook_rank
+    adamw = torch.optim.AdamW(model.parameters())
+    summary = found["summary"]["methods"]
+    assert summary["powersgd-ddp"]["settings"]["matrix_rank"] == torch_hook_rank(model, adamw)
+    assert summary["acp-ddp"]["settings"]["both_factors"] is True
+    assert summary["acp-ddp"]["bytes_per_step"] == _adaptive_payload_bytes(model)

@@ -496,7 +496,8 @@ def test_powersgd_ddp_bytes_follow_the_hooks_rule():
 
 
 def test_torch_hook_rank_sends_about_what_hvd_acps_powersgd_sends():
-    from benchmarks.worker import TORCH_POWERSGD_HOOKS, hvd_acp_powersgd_bytes, torch_hook_rank
+    from benchmarks.worker import TORCH_POWERSGD_HOOKS
+    from hvd_acp.methods.counting import hvd_acp_powersgd_bytes, torch_hook_rank
     from hvd_acp.methods import REGISTRY
     assert all("powerSGD_hook" in REGISTRY[key].implementation for key in TORCH_POWERSGD_HOOKS)
     model = SmallNet()

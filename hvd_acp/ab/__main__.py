@@ -115,12 +115,14 @@ def _profile(world, spec, matrix_rank: int, args, progress) -> Optional[Dict[str
     import copy
     profile = None
     if world.rank == 0:
-        from ..plan.models import to_device
+        from ..plan.models import build_optimizer, to_device
         from ..plan.profile import profile_model
         progress("profiling one process (hvd-acp-plan's profile, nothing communicated)")
-        profile = profile_model(copy.deepcopy(spec.model).to(world.device),
-                                to_device(spec.batch, world.device), spec.loss_fn,
+        model = copy.deepcopy(spec.model).to(world.device)
+        profile = profile_model(model, to_device(spec.batch, world.device), spec.loss_fn,
                                 matrix_rank=matrix_rank, device=str(world.device),
+                                optimizer=build_optimizer(args.optimizer, model.parameters(),
+                                                          args.lr),
                                 description=spec.description)
         profile.update(model=args.model, batch_size=spec_batch_size(args),
                        image_size=args.image_size, seq_len=args.seq_len)
@@ -156,17 +158,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         torch.get_num_threads()
     torch.set_num_threads(threads)
     batch_size = spec_batch_size(args)
-    matrix_rank = args.matrix_rank or default_matrix_rank(args.model)
+    matrix_rank = args.matrix_rank or default_matrix_rank(args.model, args.optimizer)
     spec = build_model(args.model, batch_size, image_size=args.image_size,
                        seq_len=args.seq_len, data_seed=world.rank)
     settings = Settings(methods=methods, rounds=args.rounds, steps=args.steps,
-                        warmup=args.warmup, matrix_rank=matrix_rank, lr=args.lr)
+                        warmup=args.warmup, matrix_rank=matrix_rank, lr=args.lr,
+                        optimizer=args.optimizer)
     config: Dict[str, Any] = {
         "model": args.model, "model_description": spec.description, "ranks": world.size,
         "launcher": "horovodrun" if launcher == HOROVOD else "torchrun",
         "device": str(world.device.type), "batch_size": batch_size,
         "matrix_rank": matrix_rank, "rounds": args.rounds, "steps": args.steps,
-        "warmup": args.warmup, "lr": args.lr, "threads": threads,
+        "warmup": args.warmup, "lr": args.lr, "optimizer": args.optimizer, "threads": threads,
         "ranks_per_node": world.local_size, "versions": _versions()}
 
     def progress(line: str) -> None:

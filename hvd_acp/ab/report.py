@@ -44,6 +44,8 @@ def summarize(measured: Dict[str, Dict[str, Any]], samples_per_step: int) -> Dic
         summary = {"label": get(key).label, "title": get(key).title, "step_s": step,
                    "samples_per_s": samples_per_step / step["median"],
                    "rounds_s": list(entry["rounds"]), "last_loss": entry["loss"][-1]}
+        if entry.get("settings"):
+            summary["settings"] = entry["settings"]
         for field in ("bytes_per_step", "bytes_received_per_step", "allreduces_per_step",
                       "compression_s_per_step"):
             if entry.get(field):
@@ -138,6 +140,29 @@ def _recommendation(summary: Dict[str, Any]) -> str:
 _SAY = {"faster": "faster", "slower": "slower", "same": "not separable"}
 
 
+_OPTIMIZER = {"sgd": "SGD (momentum 0.9)", "adamw": "AdamW"}
+
+
+def _rank(matrix_rank) -> str:
+    return "each method's default for the optimizer" if matrix_rank is None else str(matrix_rank)
+
+
+def describe_settings(key: str, settings: Dict[str, Any]) -> str:
+    """Method ``key``'s resolved settings in words: the rank (a share of each
+    matrix's smaller side where it is a float), what goes per step, the wire."""
+    rank = settings.get("matrix_rank")
+    words = [f"matrix rank {rank}" + (f" ({rank:g} of each matrix's smaller side)"
+                                      if isinstance(rank, float) else "")]
+    if get(key).algorithm == "Power-SGD":
+        words.append("P then Q every step, two all-reduces")
+    elif "both_factors" in settings:
+        words.append("both factors every step, one all-reduce" if settings["both_factors"]
+                     else "P and Q in turn")
+    if settings.get("fp16_wire"):
+        words.append("fp16 on the wire")
+    return ", ".join(words)
+
+
 def _mb(value: Optional[float]) -> str:
     return "n/a" if value is None else f"{value / 1e6:.3f}"
 
@@ -150,7 +175,8 @@ def markdown(config: Dict[str, Any], summary: Dict[str, Any]) -> str:
         f"# A/B: {config['model_description']}",
         "",
         f"{config['ranks']} ranks ({config['launcher']}, {config['device']}), batch "
-        f"{config['batch_size']} per rank, matrix rank {config['matrix_rank']}, "
+        f"{config['batch_size']} per rank, {_OPTIMIZER.get(config.get('optimizer', 'sgd'))}, "
+        f"matrix rank {_rank(config['matrix_rank'])}, "
         f"{config['rounds']} rounds of {config['steps']} timed steps after "
         f"{config['warmup']} untimed, {config['threads']} torch thread"
         f"{'s' if config['threads'] != 1 else ''} per rank.",
@@ -167,6 +193,11 @@ def markdown(config: Dict[str, Any], summary: Dict[str, Any]) -> str:
             row += (f" {_fmt_interval(ratio)} ({_SAY[ratio['verdict']]}) |" if ratio
                     else " (itself) |")
         lines.append(row)
+    chosen = [f"- {entry['title']}: {describe_settings(key, entry['settings'])}"
+              for key, entry in summary["methods"].items() if entry.get("settings")]
+    if chosen:
+        lines += ["", "Settings each compressed method trained with, every default decided:",
+                  ""] + chosen
     if summary.get("floor_s"):
         lines += ["", f"Compute only, one process, nothing communicated (the profile's "
                       f"forward, backward and update): {summary['floor_s']:.4f} s per step."]

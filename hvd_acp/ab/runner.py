@@ -20,8 +20,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from ..methods import TORCHRUN, get
-from ..plan.models import ModelSpec, to_device
+from ..methods import TORCHRUN, get, settings_of
+from ..plan.models import ModelSpec, build_optimizer, to_device
 from .rounds import combine_ranks, percentile, round_order
 from .world import World
 
@@ -40,8 +40,11 @@ class Settings:
             with more exact steps, torch's ``powerSGD_hook``, gets its
             minimum instead).
         matrix_rank: rank of the compressed methods' factors (None: each
-            front end's default, :class:`hvd_acp.Settings`).
-        lr: learning rate of the SGD optimizer (momentum 0.9) under every method.
+            front end's default for the optimizer, :class:`hvd_acp.Settings`).
+        lr: learning rate of the optimizer under every method.
+        optimizer: ``sgd`` (momentum 0.9) or ``adamw``
+            (:data:`hvd_acp.plan.models.OPTIMIZERS`); its family decides the
+            compressed methods' defaults.
     """
 
     methods: Sequence[str]
@@ -50,6 +53,7 @@ class Settings:
     warmup: int = 3
     matrix_rank: Union[int, str, None] = None
     lr: float = 0.01
+    optimizer: str = "sgd"
 
 
 def _sync(device: torch.device) -> None:
@@ -72,7 +76,7 @@ def _one(world: World, key: str, template: torch.nn.Module, spec: ModelSpec,
     """Train ``key`` once from a copy of ``template``: this rank's step times and counters."""
     method = get(key)
     model = copy.deepcopy(template)
-    optimizer = torch.optim.SGD(model.parameters(), lr=settings.lr, momentum=0.9)
+    optimizer = build_optimizer(settings.optimizer, model.parameters(), settings.lr)
     options: Dict[str, Any] = {}
     if method.launcher == TORCHRUN:
         options["ddp_options"] = _ddp_options(world)
@@ -82,6 +86,7 @@ def _one(world: World, key: str, template: torch.nn.Module, spec: ModelSpec,
         options["warmup_steps"] = warmup
     built = method.build(model, optimizer, matrix_rank=settings.matrix_rank, **options)
     counters = built.counters
+    chosen = settings_of(built)
     times: List[float] = []
     start = None
     loss = None
@@ -109,6 +114,8 @@ def _one(world: World, key: str, template: torch.nn.Module, spec: ModelSpec,
         if world.device.type == "cuda":
             torch.cuda.empty_cache()
     result: Dict[str, Any] = {"step_s": times, "loss": last_loss}
+    if chosen is not None:
+        result["settings"] = chosen
     if start is not None and settings.steps:
         result["bytes_per_step"] = (end.bytes_sent - start.bytes_sent) / settings.steps
         result["allreduces_per_step"] = (end.allreduces - start.allreduces) / settings.steps
@@ -144,6 +151,8 @@ def measure(world: World, spec: ModelSpec, settings: Settings,
             entry["rounds"].append(percentile(steps, 50))
             entry["step_s"].extend(steps)
             entry["loss"].append(everyone[0]["loss"])
+            if "settings" in mine:
+                entry["settings"] = mine["settings"]
             for field in ("bytes_per_step", "bytes_received_per_step", "allreduces_per_step",
                           "compression_s_per_step"):
                 if field in mine:

@@ -24,6 +24,7 @@ from .counting import Counters, CountingCompression, DDPBucketCounter, PowerSGDH
 from .counting import counted_hook, fp16_hook_payload
 
 __all__ = ["HOROVOD", "TORCHRUN", "Counters", "Distributed", "Method", "REGISTRY", "KEYS",
+           "settings_of",
            "get", "label", "predicted", "serialized_hook"]
 
 #: Launchers: ``horovodrun`` (Horovod's ranks) or ``torchrun`` (a
@@ -51,6 +52,30 @@ class Distributed:
     optimizer: Any
     counters: Callable[[], Counters]
     state: Any = None
+
+
+def settings_of(built: Distributed) -> Optional[Dict[str, Any]]:
+    """The settings a method trained with, every default decided, as JSON
+    values: hvd_acp's (:class:`hvd_acp.Settings`), a baseline's, or torch's
+    ``powerSGD_hook``'s state; None for a method without any (S-SGD)."""
+    state = built.state
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+    if isinstance(state, PowerSGDState):
+        return {"matrix_rank": state.matrix_approximation_rank,
+                "min_compression_rate": state.min_compression_rate,
+                "start_powerSGD_iter": state.start_powerSGD_iter,
+                "use_error_feedback": state.use_error_feedback, "warm_start": state.warm_start}
+    settings = getattr(built.optimizer, "settings", None)
+    if settings is None:
+        settings = getattr(state, "settings", None)
+    if settings is None or not dataclasses.is_dataclass(settings):
+        return None
+    return {field.name: _json_value(getattr(settings, field.name))
+            for field in dataclasses.fields(settings)}
+
+
+def _json_value(value: Any) -> Any:
+    return value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,9 +249,14 @@ def _powersgd_ddp(batched: bool):
         from ..autorank import parse_matrix_rank
         from ..settings import Settings
         # torch's hook takes one rank for every tensor: under "auto" it runs at
-        # max_rank, the most bytes hvd_acp's auto rank ever sends.
+        # max_rank, the most bytes hvd_acp's auto rank ever sends; under an
+        # adaptive optimizer's default share, the int rank that sends about
+        # what hvd_acp's Power-SGD sends.
         rank, _ = parse_matrix_rank(Settings(matrix_rank=matrix_rank).resolve(
             optimizer, factors_per_step=2).matrix_rank)
+        if matrix_rank is None and not isinstance(rank, int):
+            from .counting import torch_hook_rank
+            rank = torch_hook_rank(model, optimizer)
         if not isinstance(rank, int):
             raise ValueError(f"torch's powerSGD_hook takes one rank for every tensor, not a "
                              f"share of each matrix (matrix_rank={rank!r}): pass an int")

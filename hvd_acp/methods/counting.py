@@ -30,7 +30,8 @@ from typing import Any, Callable, List, NamedTuple, Optional
 import torch
 
 __all__ = ["Counters", "CountingCompression", "DDPBucketCounter", "counted_hook",
-           "fp16_hook_payload", "PowerSGDHookProbe", "powersgd_ddp_bytes_per_step"]
+           "fp16_hook_payload", "PowerSGDHookProbe", "powersgd_ddp_bytes_per_step",
+           "hvd_acp_powersgd_bytes", "torch_hook_rank"]
 
 
 class Counters(NamedTuple):
@@ -303,3 +304,50 @@ def powersgd_ddp_bytes_per_step(model: torch.nn.Module, matrix_rank: int,
         compress = _should_compress(n, m, r, min_compression_rate)[0]
         total += ((n + m) * r if compress else param.numel()) * param.element_size()
     return total
+
+
+def hvd_acp_powersgd_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes one rank sends per step under ``hvd_acp.PowerSGDOptimizer``'s
+    defaults for ``optimizer`` (:meth:`hvd_acp.Settings.resolve` with both
+    factors per step), from the shapes: a compressed ``(n, m)`` gradient
+    sends ``(n + m) r`` elements, any other tensor its ``numel``, in fp16
+    where the defaults put the wire in fp16."""
+    from ..compression import factor_rank, matrix_shape, should_compress
+    from ..settings import Settings
+    settings = Settings().resolve(optimizer, factors_per_step=2)
+    total = 0
+    for param in model.parameters():
+        if not param.requires_grad:
+            continue
+        n, m = matrix_shape(param.shape)
+        elements = ((n + m) * factor_rank(n, m, settings.matrix_rank)
+                    if should_compress(param.shape, settings.matrix_rank,
+                                       settings.min_compression_rate) else param.numel())
+        total += elements * (2 if settings.fp16_wire else param.element_size())
+    return total
+
+
+def torch_hook_rank(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """The rank of torch's ``powerSGD_hook`` when none is given: hvd_acp's
+    default where it is an int (SGD: 4); where it is a share of each matrix
+    (adaptive optimizers), the int rank whose bytes per step
+    (:func:`hvd_acp.methods.counting.powersgd_ddp_bytes_per_step`, fp32) come closest
+    to :func:`hvd_acp_powersgd_bytes` (the smaller one on a tie)."""
+    from ..settings import Settings
+    default = Settings().resolve(optimizer, factors_per_step=2).matrix_rank
+    if isinstance(default, int):
+        return default
+    target = hvd_acp_powersgd_bytes(model, optimizer)
+    largest = max((min(p.shape[0], p.numel() // p.shape[0]) for p in model.parameters()
+                   if p.requires_grad and p.dim() >= 2), default=1)
+    # The hook's bytes never fall as the rank grows: find the first rank at or
+    # above the target, then take it or the one below.
+    low, high = 1, largest
+    while low < high:
+        middle = (low + high) // 2
+        if powersgd_ddp_bytes_per_step(model, middle) >= target:
+            high = middle
+        else:
+            low = middle + 1
+    return min({max(1, low - 1), low},
+               key=lambda r: (abs(powersgd_ddp_bytes_per_step(model, r) - target), r))

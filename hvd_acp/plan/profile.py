@@ -54,7 +54,8 @@ from torch import nn
 
 from ..autorank import parse_matrix_rank
 from ..codecs import PowerSGDFirst, codec_of
-from ..compression import Phase, compute_dtype, factor_rank, orthonormalize_
+from ..compression import Phase, compute_dtype, orthonormalize_
+from ..methods.counting import torch_hook_rank
 from ..fusion import DEFAULT_FUSION_THRESHOLD_BYTES, make_layouts
 from ..settings import Settings, optimizer_family
 from ..state import CompressedTensor, CompressionState
@@ -366,6 +367,7 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
         psgd_layouts = make_layouts(shapes, psgd_rank, psgd_settings.min_compression_rate,
                                     payload_dtype=compute_dtype)
     optimizer.zero_grad(set_to_none=True)
+    hook_rank = psgd_rank if isinstance(psgd_rank, int) else torch_hook_rank(model, optimizer)
     gen = torch.Generator().manual_seed(0)
     params = []
     p_factors, q_factors, psgd_p_factors = [], [], []
@@ -385,9 +387,9 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
             tensor = CompressedTensor(plain, gen, dev)
             entry.update(_time_powersgd(tensor, dev, repeats, gen))
             psgd_p_factors.append(tensor.p)
-        # torch's powerSGD_hook takes one int rank: Power-SGD's (its share's
-        # rank of this matrix where the rank is a share).
-        r_ddp = max(0, min(lay.n, lay.m, factor_rank(lay.n, lay.m, psgd_rank)))
+        # torch's powerSGD_hook takes one int rank: Power-SGD's, or where that
+        # is a share, the one the benchmark and hvd-acp-ab give it.
+        r_ddp = max(0, min(lay.n, lay.m, hook_rank))
         ddp_compressed = len(lay.shape) >= 2 and r_ddp > 0 and _ddp_should_compress(
             lay.n, lay.m, r_ddp, psgd_settings.min_compression_rate)
         entry.update(ddp_compressed=ddp_compressed,
