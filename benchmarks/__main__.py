@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--matrix-rank", type=matrix_rank_type, default=None,
                         help="factor rank, a share of each matrix's smaller side in (0, 1), "
                              "or 'auto' for a rank per tensor (default with --optimizer sgd: "
-                             "4 for resnet50, small and your model, 32 for bert-base; with "
+                             "4 for resnet50, small and your model, 32 for bert-base and gpt2; with "
                              "--optimizer adamw none is passed and each method resolves "
                              "hvd_acp's adaptive defaults (hvd_acp.Settings: ACP-SGD both factors "
                              "every step at 0.3 of each matrix's smaller side, Power-SGD a "

@@ -8,9 +8,10 @@ The tables come from the planner's own scripts, as they print them:
   ``bench-results/planval_adamw/defaults/defaults.json``;
 - ``validation``: ``scripts/validation_table.py``, the calibrated
   predictions against the runs, from ``bench-results/validation/*/validate.json``;
-- ``paper``: ``scripts/paper_projection.py``, the paper's settings projected
-  from the committed profiles in ``bench-results/profiles/``, at that
-  script's default GPU (:data:`PAPER_GPU`).
+- ``paper``, ``paper-adamw``: ``scripts/paper_projection.py``, the paper's
+  settings, and the transformers under AdamW, projected from the committed
+  profiles in ``bench-results/profiles/``, at that script's default GPU
+  (:data:`PAPER_GPU`).
 """
 from __future__ import annotations
 
@@ -56,8 +57,15 @@ def paper(page: Path) -> List[str]:
     return paper_projection.markdown(paper_projection.project(*PAPER_GPU), *PAPER_GPU)
 
 
+def paper_adamw(page: Path) -> List[str]:
+    import paper_projection
+    return paper_projection.markdown_adamw(paper_projection.project_adamw(*PAPER_GPU),
+                                           *PAPER_GPU)
+
+
 def blocks() -> List[Block]:
     return [Block(PAGE, "planval", "bench-results/planval/defaults/", planval),
             Block(PAGE, "planval-adamw", "bench-results/planval_adamw/defaults/", planval_adamw),
             Block(PAGE, "validation", "bench-results/validation/", validation),
-            Block(PAGE, "paper", "bench-results/profiles/", paper)]
+            Block(PAGE, "paper", "bench-results/profiles/", paper),
+            Block(PAGE, "paper-adamw", "bench-results/profiles/", paper_adamw)]

@@ -84,16 +84,20 @@ def test_predictions_use_the_recorded_conditions():
 
 def test_cli_profiles_a_users_model_as_the_ranks_of_a_node_run(tmp_path, capsys, monkeypatch):
     """Two ranks profile at once under horovodrun, Horovod's thread alive,
-    then again without it; the profile says so and so does the plan."""
+    then again without it, training with AdamW; the profile says so and so
+    does the plan."""
     from tests.hvdrun import REPO
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out = tmp_path / "profile.json"
     assert main(["profile", "--model", "tests/workers/ab_user_model.py:build",
                  "--batch-size", "4", "--steps", "1", "--repeats", "1",
-                 "--ranks-per-node", "2", "--threads-per-rank", "1", "--out", str(out)]) == 0
+                 "--ranks-per-node", "2", "--threads-per-rank", "1", "--optimizer", "adamw",
+                 "--out", str(out)]) == 0
     profile = json.loads(out.read_text())
     assert profile["torch_threads"] == 1 and profile["batch_size"] == 4
+    assert (profile["optimizer"], profile["scheme"], profile["matrix_rank"]) == (
+        "AdamW", "both", 0.3)
     assert profile["model"] == "tests/workers/ab_user_model.py:build"
     assert {p["name"] for p in profile["params"]} == {
         "conv.weight", "conv.bias", "head.weight", "head.bias"}
@@ -113,7 +117,8 @@ def test_cli_profiles_a_users_model_as_the_ranks_of_a_node_run(tmp_path, capsys,
                  "--out", str(tmp_path / "plan")]) == 0
     plan_md = (tmp_path / "plan" / "plan.md").read_text()
     assert "with 2 ranks per node computing at once" in plan_md
-    assert "ACP-SGD (DDP hook)" in plan_md or "acp-ddp" in plan_md
+    assert "AdamW: ACP-SGD matrix rank 0.3, both factors every step, fp16 on the wire" in plan_md
+    assert "ACP-SGD (DDP hook)" in plan_md and "S-SGD (fp16)" in plan_md
     config = json.loads((tmp_path / "plan" / "plan.json").read_text())["config"]
     assert config["ddp_compute_scale"] == pytest.approx(cond["ddp_compute_scale"])
     # Two ranks with a thread each on a node of at most 2 cores leave none spare.
@@ -134,7 +139,9 @@ def test_cli_profiles_one_process_alone_when_asked(tmp_path, capsys, monkeypatch
                      "--threads-per-rank", "1", "--out", str(out)]) == 0
     finally:
         torch.set_num_threads(threads)
-    cond = json.loads(out.read_text())["conditions"]
+    profile = json.loads(out.read_text())
+    assert (profile["optimizer"], profile["scheme"]) == ("SGD", "alternating")
+    cond = profile["conditions"]
     assert (cond["ranks_per_node"], cond["threads_per_rank"]) == (1, 1)
     assert cond["alone"] and not cond["horovod_thread"]
     assert "per_rank_step_s" not in cond

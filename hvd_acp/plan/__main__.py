@@ -192,7 +192,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             args.out.write_text(json.dumps(profile, indent=1) + "\n")
             print(f"profile of {args.model} written to {args.out} in "
                   f"{time.perf_counter() - started:.1f} s: forward {profile['forward_s']:.3f} s, "
-                  f"backward {profile['backward_s']:.3f} s, optimizer {profile['optimizer_s']:.3f} s; "
+                  f"backward {profile['backward_s']:.3f} s, {profile['optimizer']} update "
+                  f"{profile['optimizer_s']:.3f} s; "
                   f"{_assumed(profile)}")
             return 0
         if args.command == "predict":

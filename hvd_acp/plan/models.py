@@ -2,9 +2,10 @@
 
 ``--model NAME`` is one of the built-in models or a model of the user's:
 
-* ``resnet50`` and ``bert-base`` are built from ``transformers`` configs with
-  random weights (nothing is downloaded); ``small`` is a little MLP for smoke
-  runs.
+* ``resnet50``, ``bert-base`` and ``gpt2`` (GPT-2 small, 124 M parameters,
+  its language-model head tied to the token embedding) are built from
+  ``transformers`` configs with random weights (nothing is downloaded);
+  ``small`` is a little MLP for smoke runs.
 * ``package.module:function`` (or ``path/to/file.py:function``) names a
   function of the user's, called as ``function(batch_size)``, that returns
   ``(model, batch)`` or ``(model, batch, loss_fn)`` (:func:`build_user_model`).
@@ -32,9 +33,9 @@ __all__ = ["MODELS", "DEFAULT_BATCH_SIZE", "ModelSpec", "SmallNet", "build_model
            "OPTIMIZERS", "build_optimizer"]
 
 #: Model names accepted by ``--model``.
-MODELS = ("resnet50", "bert-base", "small")
+MODELS = ("resnet50", "bert-base", "gpt2", "small")
 #: Default batch size per rank of each model.
-DEFAULT_BATCH_SIZE = {"resnet50": 8, "bert-base": 4, "small": 32}
+DEFAULT_BATCH_SIZE = {"resnet50": 8, "bert-base": 4, "gpt2": 4, "small": 32}
 
 #: Default batch size per rank of a user's model (``module:function``).
 DEFAULT_USER_BATCH_SIZE = 32
@@ -57,7 +58,7 @@ def build_optimizer(name: str, params, lr: float = 1e-3) -> torch.optim.Optimize
 
 #: Default ``matrix_rank`` per model under SGD, as in the ACP-SGD paper (4
 #: for CNNs, 32 for transformers).
-_DEFAULT_MATRIX_RANK = {"resnet50": 4, "bert-base": 32, "small": 4}
+_DEFAULT_MATRIX_RANK = {"resnet50": 4, "bert-base": 32, "gpt2": 32, "small": 4}
 
 
 @dataclasses.dataclass
@@ -136,7 +137,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default: str = None,
     parser.add_argument("--matrix-rank", type=matrix_rank_type, default=None,
                         help="factor rank, a share of each matrix's smaller side in (0, 1), "
                              "or 'auto' for a rank per tensor (default with --optimizer sgd: "
-                             "32 for bert-base, 4 otherwise; with --optimizer adamw hvd_acp's "
+                             "32 for bert-base and gpt2, 4 otherwise; with --optimizer adamw hvd_acp's "
                              "adaptive defaults, hvd_acp.Settings: ACP-SGD both factors "
                              "every step at 0.3 of each matrix's smaller side, Power-SGD "
                              "0.25, fp16 on the wire)")
@@ -145,7 +146,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default: str = None,
                              "momentum 0.9 (default), or adamw; its family decides hvd_acp's "
                              "defaults, which the profile times")
     add_count(parser, "--image-size", 128, "resnet50's input height and width")
-    add_count(parser, "--seq-len", 64, "bert-base's tokens per sequence")
+    add_count(parser, "--seq-len", 64, "bert-base's and gpt2's tokens per sequence")
 
 
 def default_matrix_rank(model: str, optimizer: str = "sgd"):
@@ -197,7 +198,7 @@ def build_model(name: str, batch_size: int, *, image_size: int = 128, seq_len: i
             the other keyword arguments do not apply to it).
         batch_size: samples per batch (per rank).
         image_size: height and width of ResNet inputs.
-        seq_len: tokens per BERT sequence.
+        seq_len: tokens per BERT or GPT-2 sequence.
         data_seed: seed of the synthetic batch (the benchmark gives each
             rank its own).
 
@@ -238,6 +239,14 @@ def build_model(name: str, batch_size: int, *, image_size: int = 128, seq_len: i
         return ModelSpec(model.train(), batch, _hf_loss,
                          f"transformers BertForSequenceClassification (BERT-Base), "
                          f"sequence length {seq_len}")
+    if name == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+        config = GPT2Config()                     # the defaults are GPT-2 small
+        model = GPT2LMHeadModel(config)
+        ids = torch.randint(0, config.vocab_size, (batch_size, seq_len), generator=gen)
+        batch = {"input_ids": ids, "labels": ids}
+        return ModelSpec(model.train(), batch, _hf_loss,
+                         f"transformers GPT2LMHeadModel (GPT-2 small), sequence length {seq_len}")
     raise ValueError(f"model must be one of {MODELS}, got {name!r}")
 
 
