@@ -99,14 +99,9 @@ def project(gpu_tflops: float, utilisation: float) -> List[dict]:
     """One row per (model, network, ranks): steps and ACP-SGD's speed-ups."""
     rows = []
     for model in MODELS:
-        profile = _profile(REPO / model["profile"])
-        compute = profile["forward_s"] + profile["backward_s"] + profile["optimizer_s"]
-        gpu_s = model["flop"] / (gpu_tflops * 1e12 * utilisation)
-        scale = gpu_s / compute
+        profile, gpu_s, scale = _scaled(model, gpu_tflops, utilisation)
         for net in NETWORKS:
-            opts = {"compute_scale": scale, "host_s_per_byte": 0.0, "cycle_time_ms": 1.0,
-                    "wire_efficiency": net["wire_efficiency"]}
-            for entry in predict_grid(profile, NPS, [net["mbit"]], [net["latency_us"]], opts):
+            for entry in _steps(profile, scale, net):
                 steps = {m: p["step_s"] for m, p in entry["methods"].items()}
                 rows.append({"model": model["name"], "setting": model["setting"],
                              "network": net["name"], "np": entry["np"],
@@ -115,6 +110,25 @@ def project(gpu_tflops: float, utilisation: float) -> List[dict]:
                              "vs_powersgd": steps["powersgd"] / steps["acp"],
                              "vs_powersgd_ddp": steps["powersgd-ddp"] / steps["acp"]})
     return rows
+
+
+def _scaled(model: dict, gpu_tflops: float, utilisation: float):
+    """``model``'s profile, its step's compute on the assumed GPU (seconds),
+    and the factor that scales the profile's times to it."""
+    profile = _profile(REPO / model["profile"])
+    compute = profile["forward_s"] + profile["backward_s"] + profile["optimizer_s"]
+    gpu_s = model["flop"] / (gpu_tflops * 1e12 * utilisation)
+    return profile, gpu_s, gpu_s / compute
+
+
+def _assumed_gpu(models: List[dict], rows: List[dict], gpu_tflops: float,
+                 utilisation: float) -> str:
+    scales = {r["model"]: (r["compute_scale"], r["gpu_compute_s"]) for r in rows}
+    return ("Assumed GPU: " + f"{gpu_tflops:g} TFLOPS FP32 at {utilisation:.0%} "
+            "utilisation: " + "; ".join(
+                f"{m['name']} {m['flop'] / 1e12:.2f} TFLOP per step ({m['flop_source']}), "
+                f"{scales[m['name']][1]:.3f} s, `--compute-scale {scales[m['name']][0]:.3g}` "
+                f"on `{m['profile']}`" for m in models) + ".")
 
 
 def _steps(profile: dict, scale: float, net: dict) -> List[dict]:
@@ -128,10 +142,7 @@ def project_adamw(gpu_tflops: float, utilisation: float) -> List[dict]:
     the fastest, and the fastest with a GPU of each speed of :data:`GPU_CHECKS`."""
     rows = []
     for model in ADAMW_MODELS:
-        profile = _profile(REPO / model["profile"])
-        compute = profile["forward_s"] + profile["backward_s"] + profile["optimizer_s"]
-        gpu_s = model["flop"] / (gpu_tflops * 1e12 * utilisation)
-        scale = gpu_s / compute
+        profile, gpu_s, scale = _scaled(model, gpu_tflops, utilisation)
         for net in NETWORKS:
             checks = {speed: _steps(profile, scale / speed, net) for speed in GPU_CHECKS}
             for k, entry in enumerate(_steps(profile, scale, net)):
@@ -179,12 +190,7 @@ def markdown_adamw(rows: List[dict], gpu_tflops: float, utilisation: float) -> L
                          + (" (the same with a GPU half or four times as fast)" if steady
                             else " (the verdict rests on the assumed GPU: see the last "
                                  "column)"))
-    scales = {r["model"]: (r["compute_scale"], r["gpu_compute_s"]) for r in rows}
-    lines += ["", "Assumed GPU: " + f"{gpu_tflops:g} TFLOPS FP32 at {utilisation:.0%} "
-              "utilisation: " + "; ".join(
-                  f"{m['name']} {m['flop'] / 1e12:.2f} TFLOP per step ({m['flop_source']}), "
-                  f"{scales[m['name']][1]:.3f} s, `--compute-scale {scales[m['name']][0]:.3g}` "
-                  f"on `{m['profile']}`" for m in ADAMW_MODELS) + "."]
+    lines += ["", _assumed_gpu(ADAMW_MODELS, rows, gpu_tflops, utilisation)]
     return lines
 
 
@@ -214,12 +220,7 @@ def markdown(rows: List[dict], gpu_tflops: float, utilisation: float) -> List[st
                                   for k in ("vs_ssgd", "vs_powersgd", "vs_powersgd_ddp")) + " |")
     lines.append(f"| **the paper, measured** (abstract: its settings, 8 to 64 GPUs) | "
                  f"**{PAPER['ssgd']:.2f}x** | **{PAPER['powersgd']:.2f}x** (its Power-SGD) | |")
-    scales = {r["model"]: (r["compute_scale"], r["gpu_compute_s"]) for r in rows}
-    lines += ["", "Assumed GPU: " + f"{gpu_tflops:g} TFLOPS FP32 at {utilisation:.0%} "
-              "utilisation: " + "; ".join(
-                  f"{m['name']} {m['flop'] / 1e12:.2f} TFLOP per step ({m['flop_source']}), "
-                  f"{scales[m['name']][1]:.3f} s, `--compute-scale {scales[m['name']][0]:.3g}` "
-                  f"on `{m['profile']}`" for m in MODELS) + ".",
+    lines += ["", _assumed_gpu(MODELS, rows, gpu_tflops, utilisation),
               f"Command: `.venv/bin/python scripts/paper_projection.py --gpu-tflops "
               f"{gpu_tflops:g} --utilisation {utilisation:g} --doc docs/planner.md`."]
     return lines

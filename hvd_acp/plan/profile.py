@@ -127,11 +127,21 @@ def _fp16_cast_s_per_byte(device: torch.device, repeats: int,
     return _timed(work, device, repeats) / nbytes
 
 
-def _random(gen: torch.Generator, dtype, device):
+def _workspace(tensor: CompressedTensor, device: torch.device, gen: torch.Generator):
+    """For timing ``tensor``'s steps: a random gradient (and a residual in
+    ``tensor``), random orthonormal bases ``qh`` (m x r) and ``ph`` (n x r),
+    a target of the gradient's shape, and ``rand(*shape)`` for more."""
+    lay = tensor.layout
+
     def rand(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float32).to(dtype=dtype,
+        return torch.randn(*shape, generator=gen, dtype=torch.float32).to(dtype=lay.dtype,
                                                                         device=device)
-    return rand
+    grad = rand(lay.n, lay.m)
+    tensor.error.copy_(rand(lay.n, lay.m) * 0.01)
+    qh = torch.linalg.qr(rand(lay.m, lay.r))[0]
+    ph = torch.linalg.qr(rand(lay.n, lay.r))[0]
+    target = torch.empty(lay.n, lay.m, dtype=lay.dtype, device=device)
+    return rand, grad, qh, ph, target
 
 
 def _time_compression(tensor: CompressedTensor, device: torch.device, repeats: int,
@@ -144,12 +154,7 @@ def _time_compression(tensor: CompressedTensor, device: torch.device, repeats: i
     step-ahead shift and restore (``step_ahead_s``)."""
     lay = tensor.layout
     n, m, r, dtype = lay.n, lay.m, lay.r, lay.dtype
-    rand = _random(gen, dtype, device)
-    grad = rand(n, m)
-    tensor.error.copy_(rand(n, m) * 0.01)
-    qh = torch.linalg.qr(rand(m, r))[0]
-    ph = torch.linalg.qr(rand(n, r))[0]
-    target = torch.empty(n, m, dtype=dtype, device=device)
+    rand, grad, qh, ph, target = _workspace(tensor, device, gen)
     weight, anchor = rand(n, m), torch.empty(n, m, dtype=dtype, device=device)
 
     def step_ahead():
@@ -194,13 +199,9 @@ def _time_powersgd(tensor: CompressedTensor, device: torch.device, repeats: int,
     ``psgd_q_s``, ``psgd_reconstruct_s``)."""
     lay = tensor.layout
     n, m, r, dtype = lay.n, lay.m, lay.r, lay.dtype
-    rand = _random(gen, dtype, device)
-    grad = rand(n, m)
-    tensor.error.copy_(rand(n, m) * 0.01)
-    ph = torch.linalg.qr(rand(n, r))[0]
+    _, grad, _, ph, target = _workspace(tensor, device, gen)
     out_p, out_q = torch.empty(n, r, dtype=dtype, device=device), \
         torch.empty(m, r, dtype=dtype, device=device)
-    target = torch.empty(n, m, dtype=dtype, device=device)
     q_step = codec_of(Phase.Q)
     steps = {
         "psgd_p_s": lambda: tensor.compress_(POWERSGD_FIRST, grad, tensor.q, out_p),
