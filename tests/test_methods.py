@@ -53,7 +53,7 @@ def test_variants_name_a_reference_of_their_algorithm_and_launcher():
 def test_the_planner_predicts_the_methods_the_registry_does_not_exempt():
     from hvd_acp.plan import METHODS, Settings, predict_methods
     assert METHODS == methods.predicted() == tuple(k for k in KEYS if k in METHODS)
-    assert set(METHODS) == {"ssgd", "powersgd", "powersgd-ddp", "acp", "acp-ddp"}
+    assert set(METHODS) == {"ssgd", "ssgd-fp16", "powersgd", "powersgd-ddp", "acp", "acp-ddp"}
     for key in set(KEYS) - set(METHODS):
         assert len(REGISTRY[key].not_predicted) > 20, key
     with pytest.raises(ValueError, match="acp-nooverlap is not predicted: an ablation"):

@@ -631,7 +631,8 @@ def test_cli_predict_outputs(profile_file, tmp_path, capsys):
     plan = json.loads((out / "plan.json").read_text())
     assert len(plan["predictions"]) == 4
     entry = plan["predictions"][0]
-    assert set(entry["methods"]) == {"ssgd", "powersgd", "powersgd-ddp", "acp", "acp-ddp"}
+    assert set(entry["methods"]) == {"ssgd", "ssgd-fp16", "powersgd", "powersgd-ddp", "acp",
+                                     "acp-ddp"}
     for fields in entry["methods"].values():
         for key in ("step_s", "compute_s", "compression_s", "exposed_comm_s",
                     "bytes_per_step", "speedup_vs_ssgd"):
@@ -783,7 +784,8 @@ def test_the_plan_lists_the_baselines_bytes_beside_its_tables():
               {"name": "b", "bytes": 4 * 64, "ready_s": 0.5, "shape": [64], "numel": 64}]
     entries = predict_grid(synthetic(params), [2, 4], [100.0], [0.0])
     four = entries[1]["baselines"]
-    assert set(entries[1]["methods"]) == {"ssgd", "powersgd", "powersgd-ddp", "acp", "acp-ddp"}
+    assert set(entries[1]["methods"]) == {"ssgd", "ssgd-fp16", "powersgd", "powersgd-ddp",
+                                          "acp", "acp-ddp"}
     # DiLoCo: every parameter once per 500 steps; DeMo: 100 chunks of 64,
     # 8 values of 4 bytes and 8 positions of 1, and the 1-D tensor.
     assert four["diloco"]["bytes_sent"] == four["diloco"]["bytes_received"] == 25856 / 500
@@ -819,6 +821,20 @@ def test_the_paper_table_of_planner_md_is_what_the_script_writes(monkeypatch):
     # The rows are the paper's settings: 2 models x 3 networks x 8-64 GPUs.
     assert len(rows) == 24 and {r["np"] for r in rows} == {8, 16, 32, 64}
     assert all(r["vs_ssgd"] > 0.95 for r in rows)
+    # The transformers under AdamW: their AdamW profiles, every method at the
+    # adaptive defaults, the fastest named per row.
+    adamw = paper.project_adamw(15.7, 0.4)
+    rendered = paper.replace_marked(text, paper.ADAMW_MARKERS,
+                                    paper.markdown_adamw(adamw, 15.7, 0.4), page)
+    assert rendered == text, "docs/planner.md's AdamW rows are not what the script writes"
+    assert len(adamw) == 24
+    for row in adamw:
+        assert row["fastest"] == min(row["steps"], key=row["steps"].get)
+        # fp16 on the wire: half of S-SGD's bytes; ACP-SGD's both factors at
+        # 0.3 send about 1.2 times Power-SGD's at 0.25.
+        mb = row["mb_per_step"]
+        assert mb["ssgd-fp16"] == pytest.approx(mb["ssgd"] / 2)
+        assert 1.1 < mb["acp"] / mb["powersgd"] < 1.3
 
 
 def test_the_defaults_table_of_planner_md_is_what_plan_vs_bench_writes(monkeypatch):
@@ -838,5 +854,18 @@ def test_the_defaults_table_of_planner_md_is_what_plan_vs_bench_writes(monkeypat
     assert len(found) == 8
     for run in found:
         bench = json.loads((REPO / run["run"] / "results.json").read_text())
+        for method, row in run["methods"].items():
+            assert row["measured_step_s"] == bench["methods"][method]["step_s_median"]
+    # The same under AdamW, each run trained with it and predicted from a
+    # profile taken with it.
+    adamw = json.loads((REPO / "bench-results/planval_adamw/defaults/defaults.json").read_text())
+    markers = ("<!-- planval-adamw -->", "<!-- end planval-adamw -->")
+    rendered = script.replace_marked(text, markers, script.markdown(adamw).split("\n"), page)
+    assert rendered == text, "docs/planner.md's AdamW validation is not plan_vs_bench's"
+    assert len(adamw) == 8
+    for run in adamw:
+        bench = json.loads((REPO / run["run"] / "results.json").read_text())
+        assert bench["config"]["optimizer"] == run["optimizer"] == "adamw"
+        assert set(run["methods"]) == {"ssgd", "ssgd-fp16", "powersgd", "acp", "acp-ddp"}
         for method, row in run["methods"].items():
             assert row["measured_step_s"] == bench["methods"][method]["step_s_median"]
