@@ -637,7 +637,7 @@ def test_user_models_and_the_optimizer_parse():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--model", "vgg"], "--model must be one of resnet50, bert-base, small or "
+    (["--model", "vgg"], "--model must be one of resnet50, bert-base, gpt2, small or "
                          "'package.module:function'"),
     (["--model", "examples/train_lm.py:"], "'path/to/file.py:function', got"),
     (["--model", "examples/no_such_file.py:build"], "no file"),
