@@ -31,6 +31,18 @@ from .wrapper import WrappedOptimizer, named_parameters_of
 logger = logging.getLogger(__name__)
 
 
+def _fp16_wire(compression, fp16_wire: Optional[bool]) -> Optional[bool]:
+    """``fp16_wire`` from Horovod's ``compression`` and the setting by name:
+    either one, or both where they agree; ``ValueError`` where they do not."""
+    from_compression = HorovodCommunicator.fp16_wire_of(compression)
+    if from_compression is None:
+        return fp16_wire
+    if fp16_wire is not None and fp16_wire != from_compression:
+        raise ValueError(f"fp16_wire={fp16_wire!r} and compression={compression!r} disagree: "
+                         "give one of them (hvd.Compression.fp16 is fp16_wire=True)")
+    return from_compression
+
+
 class DistributedOptimizer(WrappedOptimizer):
     """Drop-in replacement for ``hvd.DistributedOptimizer`` training with ACP-SGD.
 
@@ -73,7 +85,9 @@ class DistributedOptimizer(WrappedOptimizer):
     ``step_ahead`` (the parameters hold the true weights except between a
     training forward pass and the end of its backward pass;
     :meth:`true_weights` in between), ``both_factors``.
-    ``fp16_wire`` is Horovod's ``compression`` here. Then the front end's own:
+    ``fp16_wire`` is also Horovod's ``compression`` here
+    (``hvd.Compression.fp16``); both may be given if they agree. Then the
+    front end's own:
 
     Args:
         fusion_threshold_bytes: the S-SGD fusion threshold the buffers are
@@ -117,7 +131,8 @@ class DistributedOptimizer(WrappedOptimizer):
             if communicator is None:
                 HorovodCommunicator.check_arguments(op, gradient_predivide_factor, compression)
             settings = Settings.of(
-                settings, fp16_wire=HorovodCommunicator.fp16_wire_of(compression), **named_settings,
+                settings, fp16_wire=_fp16_wire(compression, named_settings.pop("fp16_wire", None)),
+                **named_settings,
             ).resolve(optimizer, factors_per_step=self.factors_per_step)
             args.check()
             named = named_parameters_of(optimizer, named_parameters)

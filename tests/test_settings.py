@@ -145,6 +145,25 @@ def test_a_name_that_is_not_a_setting_is_refused_naming_it():
                                      step_head=0.2, communicator=hvd_acp.LocalCommunicator())
 
 
+def test_the_horovod_front_ends_take_fp16_wire_by_name_or_as_horovods_compression():
+    """fp16_wire is a setting like any other in the Horovod front ends too,
+    beside Horovod's own compression=; the two must agree."""
+    import horovod.torch as hvd
+    for front_end in (hvd_acp.DistributedOptimizer, hvd_acp.PowerSGDOptimizer):
+        def build(**kwargs):
+            model = torch.nn.Linear(4, 4)
+            return front_end(torch.optim.AdamW(model.parameters()),
+                             named_parameters=model.named_parameters(),
+                             communicator=hvd_acp.LocalCommunicator(), **kwargs)
+        assert build(fp16_wire=False).settings.fp16_wire is False
+        assert build().settings.fp16_wire is True          # AdamW's default
+        assert build(compression=hvd.Compression.none).settings.fp16_wire is False
+        both = build(fp16_wire=True, compression=hvd.Compression.fp16)
+        assert both.settings.fp16_wire is True
+        with pytest.raises(ValueError, match="fp16_wire=True and compression=.* disagree"):
+            build(fp16_wire=True, compression=hvd.Compression.none)
+
+
 def test_settings_given_as_one_object_and_by_name_mix_the_names_winning():
     state = hvd_acp.ddp.ACPState(settings=Settings(matrix_rank=8, step_ahead=0.5),
                                  matrix_rank=2)
