@@ -393,13 +393,15 @@ def _shutdown(launcher: str) -> None:
     interpreter finalization, a Gloo work that still holds their tensors is
     destroyed without the interpreter and aborts the process ("terminate
     called without an active exception", seen once in CI after every result
-    was written).
+    was written, and again with the collection: a barrier and
+    ``destroy_process_group()`` leave Gloo's thread no moment to free the
+    last collective's tensors, so torchrun's ranks leave as the examples do,
+    with :func:`hvd_acp.comm.leave_process_group`, which pauses between them).
     """
     gc.collect()
     if launcher == TORCHRUN:
-        import torch.distributed as dist
-        dist.barrier()
-        dist.destroy_process_group()
+        from hvd_acp.comm import leave_process_group
+        leave_process_group()
     elif launcher == HOROVOD:
         import horovod.torch as hvd
         hvd.shutdown()
