@@ -16,14 +16,13 @@ from pathlib import Path
 from typing import List, Optional
 
 from hvd_acp.methods import KEYS
-from hvd_acp.plan.models import (DEFAULT_BATCH_SIZE, DEFAULT_USER_BATCH_SIZE, MODELS,
+from hvd_acp.plan.models import (DEFAULT_BATCH_SIZE, DEFAULT_USER_BATCH_SIZE, MODELS, OPTIMIZERS,
                                   check_model_name, default_batch_size, default_matrix_rank,
                                   model_file)
 from hvd_acp.plan.units import matrix_rank_type, number_type, parse_bandwidth, positive_int
 
 from .netem import NetworkSetupError, check_can_emulate
 from .stats import parse_methods
-from .worker import OPTIMIZERS
 
 PROG = "python -m benchmarks"
 #: The smallest number of rounds for which a distribution-free interval of
@@ -79,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--matrix-rank", type=matrix_rank_type, default=None,
                         help="factor rank, a share of each matrix's smaller side in (0, 1), "
                              "or 'auto' for a rank per tensor (default with --optimizer sgd: "
-                             "4 for resnet50, small and your model, 32 for bert-base and gpt2; with "
-                             "--optimizer adamw none is passed and each method resolves "
+                             "4 for resnet50, small and your model, 32 for bert-base and "
+                             "gpt2; with --optimizer adamw none is passed and each method resolves "
                              "hvd_acp's adaptive defaults (hvd_acp.Settings: ACP-SGD both factors "
                              "every step at 0.3 of each matrix's smaller side, Power-SGD a "
                              "quarter, fp16 on the wire), torch's powerSGD_hook the int rank whose bytes per step "

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hvd_acp.methods import KEYS, REGISTRY
+from hvd_acp.plan.models import optimizer_name
 
 from .jobs import FLOOR_JOB, JOBS
 from .stats import median_interval, order_statistic_rank, paired_ratios, verdict
@@ -242,13 +243,9 @@ def _rounds_paragraph(results: Dict[str, Any]) -> List[str]:
     return [text, ""]
 
 
-#: ``config.optimizer`` (``--optimizer``) in words; a run without it trained SGD.
-OPTIMIZER_NAMES = {"sgd": "SGD (momentum 0.9)", "adamw": "AdamW"}
-
-
 def _optimizer(cfg: Dict[str, Any]) -> str:
-    name = cfg.get("optimizer") or "sgd"
-    return OPTIMIZER_NAMES.get(name, name)
+    """``config.optimizer`` (``--optimizer``) in words; a run without it trained SGD."""
+    return optimizer_name(cfg.get("optimizer"))
 
 
 def _matrix_rank(cfg: Dict[str, Any]) -> str:

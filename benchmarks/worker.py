@@ -26,7 +26,7 @@ import torch
 from hvd_acp.methods.counting import powersgd_ddp_bytes_per_step, torch_hook_rank
 from hvd_acp.methods import HOROVOD, TORCHRUN, Distributed, Method, settings_of
 from hvd_acp.methods import get as get_method
-from hvd_acp.plan.models import build_model, model_file
+from hvd_acp.plan.models import OPTIMIZERS, build_model, build_optimizer, model_file
 from hvd_acp.plan.units import matrix_rank_type
 
 from .jobs import JOBS, LOCAL, Job
@@ -42,8 +42,6 @@ OPS_STEPS = 2
 #: identical weights (seeded), so the initial broadcast is skipped; buffers
 #: are not synchronized either, as with Horovod.
 DDP_OPTIONS = {"init_sync": False, "broadcast_buffers": False}
-#: ``--optimizer``: the torch optimizer of every job (:func:`make_optimizer`).
-OPTIMIZERS = ("sgd", "adamw")
 #: The methods that run torch's ``powerSGD_hook``, which takes one int rank
 #: for every tensor (:func:`torch_hook_rank`).
 TORCH_POWERSGD_HOOKS = ("powersgd-ddp", "powersgd-ddp-batched")
@@ -102,15 +100,6 @@ def worker_model(model: str) -> str:
     if path is None:
         return model
     return f"{path.resolve()}:{model.rpartition(':')[2]}"
-
-
-def make_optimizer(name: str, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-    """``--optimizer``: SGD with momentum 0.9, or AdamW with its defaults, at ``lr``."""
-    if name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    if name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=lr)
-    raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
 
 
 # --------------------------------------------------------------- the loop
@@ -294,7 +283,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     params = [p for p in spec.model.parameters() if p.requires_grad]
     result["parameters"] = sum(p.numel() for p in params)
     result["gradient_bytes"] = sum(p.numel() * p.element_size() for p in params)
-    optimizer = make_optimizer(args.optimizer, spec.model, args.lr)
+    optimizer = build_optimizer(args.optimizer, spec.model.parameters(), args.lr)
     result["optimizer"] = type(optimizer).__name__
     if job.method is None:
         # The floor and the idle diagnostics: a plain local optimizer (Horovod

@@ -652,18 +652,18 @@ def test_bad_model_or_optimizer_is_a_usage_error(capsys, argv, message):
 
 
 def test_worker_model_and_optimizer():
-    from benchmarks.worker import make_optimizer, worker_model
-    from hvd_acp.plan.models import model_file
+    from benchmarks.worker import worker_model
+    from hvd_acp.plan.models import build_optimizer, model_file
     assert worker_model("small") == "small" and model_file("small") is None
     assert worker_model("pkg.mod:build") == "pkg.mod:build"
     assert model_file(LM_MODEL) == Path("examples/train_lm.py")
     assert worker_model(LM_MODEL) == f"{Path('examples/train_lm.py').resolve()}:benchmark_model"
     model = SmallNet()
-    sgd = make_optimizer("sgd", model, 0.01)
+    sgd = build_optimizer("sgd", model.parameters(), 0.01)
     assert type(sgd) is torch.optim.SGD and sgd.defaults["momentum"] == 0.9
-    assert type(make_optimizer("adamw", model, 0.01)) is torch.optim.AdamW
+    assert type(build_optimizer("adamw", model.parameters(), 0.01)) is torch.optim.AdamW
     with pytest.raises(ValueError, match="optimizer must be one of"):
-        make_optimizer("adam", model, 0.01)
+        build_optimizer("adam", model.parameters(), 0.01)
 
 
 # ---------------------------------------------------------------- real runs

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..methods import get
+from ..plan.models import optimizer_name
 from .rounds import CONFIDENCE, Interval, median_interval, paired_ratios, verdict
 
 __all__ = ["CANDIDATES", "summarize", "recommendation", "markdown"]
@@ -140,9 +141,6 @@ def _recommendation(summary: Dict[str, Any]) -> str:
 _SAY = {"faster": "faster", "slower": "slower", "same": "not separable"}
 
 
-_OPTIMIZER = {"sgd": "SGD (momentum 0.9)", "adamw": "AdamW"}
-
-
 def _rank(matrix_rank) -> str:
     return "each method's default for the optimizer" if matrix_rank is None else str(matrix_rank)
 
@@ -175,7 +173,7 @@ def markdown(config: Dict[str, Any], summary: Dict[str, Any]) -> str:
         f"# A/B: {config['model_description']}",
         "",
         f"{config['ranks']} ranks ({config['launcher']}, {config['device']}), batch "
-        f"{config['batch_size']} per rank, {_OPTIMIZER.get(config.get('optimizer', 'sgd'))}, "
+        f"{config['batch_size']} per rank, {optimizer_name(config.get('optimizer'))}, "
         f"matrix rank {_rank(config['matrix_rank'])}, "
         f"{config['rounds']} rounds of {config['steps']} timed steps after "
         f"{config['warmup']} untimed, {config['threads']} torch thread"

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 __all__ = ["MODELS", "DEFAULT_BATCH_SIZE", "ModelSpec", "SmallNet", "build_model",
            "build_user_model", "is_user_model", "model_file", "default_matrix_rank",
            "check_model_name", "default_batch_size", "add_model_arguments", "to_device",
-           "OPTIMIZERS", "build_optimizer"]
+           "OPTIMIZERS", "OPTIMIZER_NAMES", "optimizer_name", "build_optimizer"]
 
 #: Model names accepted by ``--model``.
 MODELS = ("resnet50", "bert-base", "gpt2", "small")
@@ -45,6 +45,14 @@ DEFAULT_USER_BATCH_SIZE = 32
 #: ``--optimizer`` names them. The family decides hvd_acp's defaults
 #: (:meth:`hvd_acp.Settings.resolve`).
 OPTIMIZERS = ("sgd", "adamw")
+#: Each of :data:`OPTIMIZERS` in words, for reports.
+OPTIMIZER_NAMES = {"sgd": "SGD (momentum 0.9)", "adamw": "AdamW"}
+
+
+def optimizer_name(name: Optional[str]) -> str:
+    """``--optimizer``'s value in words; None (a run before the option) is SGD."""
+    name = name or "sgd"
+    return OPTIMIZER_NAMES.get(name, name)
 
 
 def build_optimizer(name: str, params, lr: float = 1e-3) -> torch.optim.Optimizer:
@@ -137,8 +145,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default: str = None,
     parser.add_argument("--matrix-rank", type=matrix_rank_type, default=None,
                         help="factor rank, a share of each matrix's smaller side in (0, 1), "
                              "or 'auto' for a rank per tensor (default with --optimizer sgd: "
-                             "32 for bert-base and gpt2, 4 otherwise; with --optimizer adamw hvd_acp's "
-                             "adaptive defaults, hvd_acp.Settings: ACP-SGD both factors "
+                             "32 for bert-base and gpt2, 4 otherwise; with --optimizer adamw "
+                             "hvd_acp's adaptive defaults, hvd_acp.Settings: ACP-SGD both factors "
                              "every step at 0.3 of each matrix's smaller side, Power-SGD "
                              "0.25, fp16 on the wire)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",

@@ -456,8 +456,8 @@ def profile_builtin(model: str, batch_size: int, *, matrix_rank=None,
     rank = matrix_rank or default_matrix_rank(model, optimizer)
     if spec is None:
         spec = build_model(model, batch_size, image_size=image_size, seq_len=seq_len)
-    dev = torch.device(device)
-    spec.model.to(dev)
+    # profile_model moves the model to the device in place: the optimizer
+    # built here holds the same parameters.
     opt = build_optimizer(optimizer, [p for p in spec.model.parameters() if p.requires_grad])
     out = profile_model(spec.model, spec.batch, spec.loss_fn, matrix_rank=rank, device=device,
                         optimizer=opt, steps=steps, warmup=warmup, repeats=repeats,

@@ -55,10 +55,13 @@ def recommend(methods: Dict[str, dict], matrix_rank, np: int, bandwidth_mbit: fl
     reason = (f"{label(best)} is predicted fastest {where}: {b['step_s']:.3f} s per step, "
               f"{s['step_s'] / b['step_s']:.2f}x S-SGD, sending {b['bytes_per_step'] / 1e6:.2f} MB "
               f"per rank per step instead of {s['bytes_per_step'] / 1e6:.1f} MB.")
-    # fp16 S-SGD sends every gradient whole: no rank to say.
     algorithm = get(best).algorithm
-    rank = (None if algorithm == "S-SGD" else psgd_matrix_rank
-            if algorithm == "Power-SGD" and psgd_matrix_rank is not None else matrix_rank)
+    if algorithm == "S-SGD":            # fp16 S-SGD sends every gradient whole
+        rank = None
+    elif algorithm == "Power-SGD" and psgd_matrix_rank is not None:
+        rank = psgd_matrix_rank
+    else:
+        rank = matrix_rank
     return {"method": best, "matrix_rank": rank, "reason": reason}
 
 

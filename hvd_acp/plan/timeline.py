@@ -298,6 +298,8 @@ def _predict_ssgd(profile, settings, origin, fp16: bool = False) -> StepPredicti
     cast = _cast_s_per_byte(profile, fp16)
     done, bwd_end = _hooked_backward(profile, s, start, 0.0, lambda p: cast * p["bytes"])
     if not cast:
+        # As S-SGD was predicted (and validated) before fp16: backward ends at
+        # its measured end, not at its last gradient's hook where that is later.
         bwd_end = start + profile["backward_s"] * s
     finish = thread.submit([(done[p["name"]], _wire_bytes(p["bytes"], fp16)) for p in params])
     total = sum(p["bytes"] for p in params)
@@ -321,16 +323,33 @@ def _owed_s(param: dict, key: str) -> float:
     return min(param.get(key.replace("_s", "_residual_s"), 0.0), param.get(key, 0.0))
 
 
+def _launching_members(buckets, done: Dict[str, float], profile: dict) -> List[str]:
+    """Per buffer, the member whose hook launches it: the last to arrive."""
+    order = {p["name"]: i for i, p in enumerate(_backward_order(profile))}
+    return [max(b["members"], key=lambda n: (done[n], order[n])) for b in buckets]
+
+
 def _launch_times(buckets, done: Dict[str, float], profile: dict, params: Dict[str, dict],
                   key: str, scale: float) -> List[float]:
     """When each fused buffer is submitted: once the factor of its last member
     to arrive is projected, before that member's residual."""
-    order = {p["name"]: i for i, p in enumerate(_backward_order(profile))}
-    times = []
-    for bucket in buckets:
-        last = max(bucket["members"], key=lambda n: (done[n], order[n]))
-        times.append(done[last] - _owed_s(params[last], key) * scale)
-    return times
+    return [done[last] - _owed_s(params[last], key) * scale
+            for last in _launching_members(buckets, done, profile)]
+
+
+def _backward_casting(profile: dict, scale: float, start: float, first_cost: float, hook_cost,
+                      buckets, cast: float) -> Tuple[Dict[str, float], float]:
+    """:func:`_hooked_backward` where, with fp16 on the wire (``cast`` seconds
+    per float32 byte, 0 without), the hook that launches each of ``buckets``
+    first casts it to float16 on the backward thread."""
+    done, end = _hooked_backward(profile, scale, start, first_cost, hook_cost)
+    if not cast:
+        return done, end
+    casts: Dict[str, float] = {}
+    for name, bucket in zip(_launching_members(buckets, done, profile), buckets):
+        casts[name] = casts.get(name, 0.0) + cast * bucket["bytes"]
+    return _hooked_backward(profile, scale, start, first_cost,
+                            lambda p: hook_cost(p) + casts.get(p["name"], 0.0))
 
 
 def _acp_phases(profile: dict) -> Tuple[str, ...]:
@@ -341,12 +360,6 @@ def _acp_phases(profile: dict) -> Tuple[str, ...]:
 
 def _recon_key(phase: str) -> str:
     return "reconstruct_pq_s" if phase == "PQ" else "reconstruct_s"
-
-
-def _launching_members(buckets, done: Dict[str, float], profile: dict) -> List[str]:
-    """Per buffer, the member whose hook launches it: the last to arrive."""
-    order = {p["name"]: i for i, p in enumerate(_backward_order(profile))}
-    return [max(b["members"], key=lambda n: (done[n], order[n])) for b in buckets]
 
 
 def _predict_acp_phase(profile, settings, origin, phase: str) -> StepPrediction:
@@ -363,16 +376,9 @@ def _predict_acp_phase(profile, settings, origin, phase: str) -> StepPrediction:
     shift = _compressed_s(params, "step_ahead_s") * s
     start = profile["forward_s"] * s + shift
 
-    def hook(p):
-        return p.get(key, 0.0) if p["compressed"] else 0.0
-    done, bwd_end = _hooked_backward(profile, s, start, orth, hook)
-    if cast:
-        # With fp16 on the wire the hook that launches a buffer casts it first.
-        casts = {}
-        for name, bucket in zip(_launching_members(buckets, done, profile), buckets):
-            casts[name] = casts.get(name, 0.0) + cast * bucket["bytes"]
-        done, bwd_end = _hooked_backward(profile, s, start, orth,
-                                         lambda p: hook(p) + casts.get(p["name"], 0.0))
+    done, bwd_end = _backward_casting(
+        profile, s, start, orth, lambda p: p.get(key, 0.0) if p["compressed"] else 0.0,
+        buckets, cast)
     thread = _horovod_thread(settings, costs, origin)
     launched = _launch_times(buckets, done, profile, params, key, s)
     finish = thread.submit([(at, _wire_bytes(b["bytes"], fp16))
@@ -413,15 +419,9 @@ def _predict_powersgd(profile, settings, origin) -> StepPrediction:
     p_buckets, q_buckets = profile["buckets"]["psgd_p"], profile["buckets"]["psgd_q"]
     start = profile["forward_s"] * s
 
-    def hook(p):
-        return p.get("psgd_p_s", 0.0) if _psgd_compressed(p) else 0.0
-    done, bwd_end = _hooked_backward(profile, s, start, 0.0, hook)
-    if cast:
-        casts = {}
-        for name, bucket in zip(_launching_members(p_buckets, done, profile), p_buckets):
-            casts[name] = casts.get(name, 0.0) + cast * bucket["bytes"]
-        done, bwd_end = _hooked_backward(profile, s, start, 0.0,
-                                         lambda p: hook(p) + casts.get(p["name"], 0.0))
+    done, bwd_end = _backward_casting(
+        profile, s, start, 0.0,
+        lambda p: p.get("psgd_p_s", 0.0) if _psgd_compressed(p) else 0.0, p_buckets, cast)
     thread = _horovod_thread(settings, costs, origin)
     finish = thread.submit([(max(done[n] for n in b["members"]), _wire_bytes(b["bytes"], fp16))
                             for b in p_buckets])
