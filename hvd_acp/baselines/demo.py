@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, Optional, Tuple
 
 import torch
 
@@ -31,7 +31,8 @@ from ..comm import Communicator
 from . import maths
 from .settings import DeMoSettings
 from ..horovod_broadcast import initialize_state_
-from .wrapper import BaselineOptimizer, weights_fingerprint
+from .wrapper import (BaselineOptimizer, dense_grad, hidden_grads, state_dtype,
+                      weights_fingerprint)
 
 __all__ = ["DeMoOptimizer"]
 
@@ -79,10 +80,10 @@ class DeMoOptimizer(BaselineOptimizer):
         self._groups = {n: group_of[p] for n, p in self.compressed}
         self._momentum: Dict[str, torch.Tensor] = {
             n: p.new_zeros(maths.num_chunks(p.numel(), settings.chunk_size), settings.chunk_size,
-                           dtype=_state_dtype(p)) for n, p in self.compressed}
+                           dtype=state_dtype(p)) for n, p in self.compressed}
         self._layout = maths.payload_layout(
             {n: tuple(p.shape) for n, p in self.compressed},
-            {n: _state_dtype(p) for n, p in self.compressed}, settings.top_k, settings.chunk_size)
+            {n: state_dtype(p) for n, p in self.compressed}, settings.top_k, settings.chunk_size)
         self._dct: Dict[Tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def dct(self, like: torch.Tensor) -> torch.Tensor:
@@ -101,17 +102,6 @@ class DeMoOptimizer(BaselineOptimizer):
         # for those alone, as training will.
         initialize_state_(self._optimizer, [p for _, p in self.exact])
 
-    def _hide_compressed_grads(self) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
-        stashed = [(p, p.grad) for _, p in self.compressed]
-        for p, _ in stashed:
-            p.grad = None
-        return stashed
-
-    @staticmethod
-    def _restore_grads(stashed) -> None:
-        for p, grad in stashed:
-            p.grad = grad
-
     def _method_step(self):
         comm, s = self._comm, self.settings
         started = time.perf_counter()
@@ -119,13 +109,14 @@ class DeMoOptimizer(BaselineOptimizer):
         with torch.no_grad():
             for name, param in self.compressed:
                 momentum = self._momentum[name]
-                maths.accumulate_(momentum, _grad(param), s.momentum_decay, self.dct(momentum))
+                maths.accumulate_(momentum, dense_grad(param, self.label), s.momentum_decay,
+                                  self.dct(momentum))
                 where, kept = maths.select_(momentum, s.top_k)
                 values.append(kept)
                 positions.append(where.to(maths.index_dtype(s.chunk_size)))
             payload = maths.pack(values + positions) if self.compressed else None
-            exact = (torch.cat([_grad(p, zeros=True).reshape(-1) for _, p in self.exact])
-                     if self.exact else None)
+            exact = (torch.cat([dense_grad(p, self.label, zeros=True).reshape(-1)
+                                for _, p in self.exact]) if self.exact else None)
         self._timed(started)
         gathering = (comm.allgather_async(payload, "hvd_acp.demo.coefficients")
                      if payload is not None else None)
@@ -138,11 +129,8 @@ class DeMoOptimizer(BaselineOptimizer):
             for _, param in self.exact:
                 param.grad = exact[offset:offset + param.numel()].view_as(param).to(param.dtype)
                 offset += param.numel()
-        stashed = self._hide_compressed_grads()
-        try:
+        with hidden_grads(p for _, p in self.compressed):
             return self._optimizer.step()
-        finally:
-            self._restore_grads(stashed)
 
     def _apply_coefficients(self, gathered: torch.Tensor) -> None:
         """Decode every rank's coefficients and step the compressed tensors."""
@@ -180,19 +168,3 @@ class DeMoOptimizer(BaselineOptimizer):
             for name, momentum in state["momentum"].items():
                 self._momentum[name].copy_(momentum)
 
-
-def _state_dtype(param: torch.Tensor) -> torch.dtype:
-    """The momentum's dtype: the parameter's, at least float32 (a decay of
-    0.999 is lost in half precision)."""
-    return torch.promote_types(param.dtype, torch.float32)
-
-
-def _grad(param: torch.Tensor, zeros: bool = False) -> Optional[torch.Tensor]:
-    """The parameter's dense gradient; None (or zeros) where backward gave none."""
-    grad = param.grad
-    if grad is None:
-        return torch.zeros_like(param) if zeros else None
-    if grad.is_sparse:
-        raise NotImplementedError("sparse gradients are not supported by DeMoOptimizer; use "
-                                  "a dense embedding (sparse=False)")
-    return grad

@@ -1,6 +1,10 @@
-"""What the two baselines share beyond every wrapper's contract
+"""What the baselines share beyond every wrapper's contract
 (:class:`hvd_acp.wrapper.WrappedOptimizer`): the first step's check, the
-step count, the overflow agreement.
+step count, the overflow agreement; and, for those that step the matrices
+themselves and leave the 1-D tensors to the wrapped optimizer (DeMo, TSR),
+the gradients they read (:func:`dense_grad`), their state's dtype
+(:func:`state_dtype`) and the wrapped optimizer's step without the matrices
+(:func:`hidden_grads`).
 
 Unlike S-SGD these methods average no gradient: ``synchronize()``
 communicates nothing and leaves each rank's own gradient in ``p.grad`` (so
@@ -13,6 +17,7 @@ then skips the step), the ranks agree on at the end of backward
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import weakref
@@ -26,13 +31,50 @@ from ..comm import Communicator, HorovodCommunicator
 from ..settings import facts_of
 from ..wrapper import WrappedOptimizer, named_parameters_of
 
-__all__ = ["BaselineOptimizer", "OverflowAgreement"]
+__all__ = ["BaselineOptimizer", "OverflowAgreement", "dense_grad", "state_dtype",
+           "hidden_grads"]
 
 
 def weights_fingerprint(tensors: Iterable[torch.Tensor]) -> float:
     """One number that differs between ranks whose ``tensors`` differ (almost
     surely): the sum of every element, in float64, in a fixed order."""
     return float(sum(t.detach().double().sum() for t in tensors))
+
+
+def state_dtype(param: torch.Tensor) -> torch.dtype:
+    """The dtype of a method's state of ``param``: the parameter's, at least
+    float32 (a decay of 0.999 is lost in half precision)."""
+    return torch.promote_types(param.dtype, torch.float32)
+
+
+def dense_grad(param: torch.Tensor, method: str, zeros: bool = False) -> Optional[torch.Tensor]:
+    """The parameter's dense gradient; None (or zeros) where backward gave none.
+
+    Raises:
+        NotImplementedError: for a sparse gradient, naming ``method``.
+    """
+    grad = param.grad
+    if grad is None:
+        return torch.zeros_like(param) if zeros else None
+    if grad.is_sparse:
+        raise NotImplementedError(f"sparse gradients are not supported by {method}; use "
+                                  "a dense embedding (sparse=False)")
+    return grad
+
+
+@contextlib.contextmanager
+def hidden_grads(params: Iterable[torch.Tensor]):
+    """Within this context ``params`` have no gradient (the wrapped
+    optimizer, stepped inside, leaves them alone); their gradients come back
+    afterwards, as they were."""
+    stashed = [(p, p.grad) for p in params]
+    for p, _ in stashed:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, grad in stashed:
+            p.grad = grad
 
 
 class OverflowAgreement:
