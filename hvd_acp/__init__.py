@@ -4,7 +4,7 @@
                                              named_parameters=model.named_parameters())
 
 ``import hvd_acp`` loads the library only: the DDP hook (``hvd_acp.ddp``),
-the baselines (``hvd_acp.baselines``: DiLoCo, a DeMo-style method), the
+the baselines (``hvd_acp.baselines``: DiLoCo, a DeMo-style and a TSR-style method), the
 integrations, the planner (``hvd_acp.plan``), the A/B tool (``hvd_acp.ab``)
 and the registry of methods they compare (``hvd_acp.methods``) are imported
 where asked for.
@@ -20,12 +20,13 @@ from .settings import Settings
 __version__ = "0.1.0"
 
 __all__ = ["DistributedOptimizer", "PowerSGDOptimizer", "DiLoCoOptimizer", "DeMoOptimizer",
-           "Settings", "AutoRank", "Phase", "CommStats", "Communicator", "HorovodCommunicator",
-           "LocalCommunicator", "broadcast_optimizer_state", "__version__"]
+           "TSROptimizer", "Settings", "AutoRank", "Phase", "CommStats", "Communicator",
+           "HorovodCommunicator", "LocalCommunicator", "broadcast_optimizer_state", "__version__"]
 
 #: Names loaded on first use, from the module that holds them.
 _LAZY = {"ddp": "hvd_acp.ddp", "baselines": "hvd_acp.baselines",
-         "DiLoCoOptimizer": "hvd_acp.baselines", "DeMoOptimizer": "hvd_acp.baselines"}
+         "DiLoCoOptimizer": "hvd_acp.baselines", "DeMoOptimizer": "hvd_acp.baselines",
+         "TSROptimizer": "hvd_acp.baselines"}
 
 
 def __getattr__(name):

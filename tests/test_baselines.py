@@ -125,7 +125,8 @@ def _resumed_matches(make, steps_before=4, steps_after=3):
 
 
 @pytest.mark.parametrize("key, settings", [("diloco", {"inner_steps": 3}),
-                                           ("demo", {"top_k": 2, "chunk_size": 16})])
+                                           ("demo", {"top_k": 2, "chunk_size": 16}),
+                                           ("tsr", {"core_rank": 2, "refresh_period": 3})])
 def test_a_checkpoint_resumes_bit_for_bit(key, settings):
     def make(model):
         return methods.get(key).build(model, torch.optim.AdamW(model.parameters(), lr=0.01),

@@ -17,7 +17,7 @@ from tests.hvdrun import horovodrun, rank_lines, torchrun
 def test_every_method_is_declared_once_in_report_order():
     assert KEYS == ("ssgd", "ssgd-fp16", "ddp", "ddp-fp16", "powersgd", "powersgd-ddp",
                     "powersgd-ddp-batched", "acp", "acp-fp16", "acp-nooverlap", "acp-nofusion",
-                    "acp-ddp", "diloco", "demo")
+                    "acp-ddp", "diloco", "demo", "tsr")
     for key, method in REGISTRY.items():
         assert method.key == key and method.launcher in (HOROVOD, TORCHRUN)
         assert method.title == f"{method.algorithm} ({method.implementation})"
@@ -26,12 +26,15 @@ def test_every_method_is_declared_once_in_report_order():
     assert REGISTRY["acp-ddp"].title == "ACP-SGD (DDP hvd_acp.ddp.acp_hook)"
     assert [m.key for m in REGISTRY.values() if m.launcher == HOROVOD] == [
         "ssgd", "ssgd-fp16", "powersgd", "acp", "acp-fp16", "acp-nooverlap", "acp-nofusion",
-        "diloco", "demo"]
+        "diloco", "demo", "tsr"]
     # Only the baselines that average no gradient take settings of their own.
     assert {k: m.settings for k, m in REGISTRY.items() if m.settings} == {
         "diloco": ("inner_steps", "outer_lr", "outer_momentum", "nesterov"),
-        "demo": ("top_k", "chunk_size", "momentum_decay")}
-    assert [k for k, m in REGISTRY.items() if not m.averages_gradients] == ["diloco", "demo"]
+        "demo": ("top_k", "chunk_size", "momentum_decay"),
+        "tsr": ("core_rank", "embedding_core_rank", "refresh_period", "embedding_refresh_period",
+                "scale", "fp16_wire", "seed", "embedding_names")}
+    assert [k for k, m in REGISTRY.items() if not m.averages_gradients] == [
+        "diloco", "demo", "tsr"]
     assert len({m.color for m in REGISTRY.values()}) == len(REGISTRY)
     with pytest.raises(ValueError, match="method must be one of ssgd, ssgd-fp16, ddp, .*, got .topk."):
         methods.get("topk")

@@ -792,17 +792,23 @@ def test_the_plan_lists_the_baselines_bytes_beside_its_tables():
     assert four["demo"]["bytes_sent"] == 100 * 8 * 5 + 256
     assert four["demo"]["bytes_received"] == 3 * 100 * 8 * 5 + 256
     assert entries[0]["baselines"]["demo"]["bytes_received"] == 100 * 8 * 5 + 256
+    # TSR: a core of 32 x 32 every step and sketches of (64 + 100) x 32 every
+    # 10, and the 1-D tensor, 2 bytes each (fp16).
+    tsr = (32 * 32 + 164 * 32 / 10 + 64) * 2
+    assert four["tsr"]["bytes_sent"] == four["tsr"]["bytes_received"] == pytest.approx(tsr)
     plan = {"config": {"compute_scale": 1.0, "cycle_time_ms": 1.0, "host_s_per_byte": 0.0,
                        "wire_efficiency": 1.0}, "predictions": entries}
     text = format_plan_md(plan)
     assert "| 4 | 100 Mbit/s | 5.17e-05 / 5.17e-05 MB; 6.49e-06 s | 0.00426 / 0.0123 MB;" in text
-    assert "DiLoCo (H = 500) and DeMo-style (k = 8 of 64)" in text
+    assert "DiLoCo (H = 500), DeMo-style (k = 8 of 64) and TSR-style (r = 32, K = 10)" in text
+    assert "| DiLoCo | DeMo-style | TSR-style |" in text
+    assert "0.00323 / 0.00323 MB;" in text
     # A profile without shapes (format 1 does not require them): DiLoCo only.
     bare = predict_grid(synthetic([{k: v for k, v in p.items() if k != "shape"}
                                    for p in params]), [2], [100.0], [0.0])
     assert set(bare[0]["baselines"]) == {"diloco"}
-    assert "n/a (the profile lacks the shapes)" in format_plan_md(
-        dict(plan, predictions=bare))
+    assert format_plan_md(dict(plan, predictions=bare)).count(
+        "n/a (the profile lacks the shapes)") == 2
 
 
 def test_the_paper_table_of_planner_md_is_what_the_script_writes(monkeypatch):

@@ -1,4 +1,4 @@
-"""The maths of the two baselines: pure torch, no Horovod, testable in one process.
+"""The maths of the baselines: pure torch, no Horovod, testable in one process.
 
 **DiLoCo** (Douillard et al., arXiv 2311.08105). Every ``H`` inner steps the
 ranks average how far their replicas moved from the weights of the last outer
@@ -30,6 +30,29 @@ What a rank sends per chunk is ``k`` values and their ``k`` positions in the
 chunk (one byte each for chunks up to 256 elements: :func:`index_dtype`),
 packed with every other tensor's into one byte buffer for one all-gather
 (:func:`pack`, :func:`unpack`).
+
+**TSR** (Dang et al., arXiv 2602.08007), as this library runs it. A matrix
+``G`` of shape (n, m) (a tensor of two or more dimensions, its rows
+``shape[0]``) keeps two orthonormal bases ``U`` (n, r) and ``V`` (m, r),
+identical on every rank, and Adam's moments ``M``, ``S`` of its r x r core.
+Per step the ranks average only the core of their gradients; every ``K``
+steps they also average two sketches of them, from Gaussian draws every rank
+makes alike (:func:`sketch_draws`), and take new bases from those::
+
+    C = mean_i(U^T G_i V)                                   (project: sent)
+    M = b1 M + (1 - b1) C,   S = b2 S + (1 - b2) C * C       (core_adam_)
+    w = w (1 - lr wd) - lr scale U (M^ / (sqrt(S^) + eps)) V^T
+    every K steps:
+    Y = mean_i(G_i Omega),   Z = mean_i(G_i^T Psi)           (sketches: sent)
+    U' = qr(Y).Q,   V' = qr(Z).Q                             (orthonormal_basis)
+    R1 = U'^T U,   R2 = V^T V'
+    M = R1 M R2,   S = (R1 * R1) S (R2 * R2)                 (rotate_moments)
+
+``M^`` and ``S^`` are the moments over their bias corrections, with the
+number of core steps taken. A rank sends ``r^2 + (n + m) r / K`` elements
+per step and matrix over a refresh period (:func:`elements_per_step`); a
+matrix for which that is no fewer than ``n m`` is averaged exactly instead
+(:func:`compresses`).
 """
 from __future__ import annotations
 
@@ -41,7 +64,9 @@ from torch import Tensor
 
 __all__ = ["outer_step_", "dct_matrix", "index_dtype", "num_chunks", "chunked", "accumulate_",
            "select_", "scatter_selected_", "decode", "sign_step_", "pack", "unpack",
-           "payload_layout"]
+           "payload_layout", "matrix_view", "core_rank_of", "compresses", "elements_per_step",
+           "sketch_seed", "sketch_draws", "sketches", "project", "orthonormal_basis",
+           "core_adam_", "rotate_moments"]
 
 
 # ------------------------------------------------------------------- DiLoCo
@@ -231,3 +256,110 @@ def payload_layout(shapes: Dict[str, Tuple[int, ...]], value_dtype: Dict[str, to
     rows = {name: num_chunks(math.prod(shape), chunk_size) for name, shape in shapes.items()}
     return ([((rows[name], top_k), value_dtype[name]) for name in shapes]
             + [((rows[name], top_k), index_dtype(chunk_size)) for name in shapes])
+
+
+# ---------------------------------------------------------------------- TSR
+def matrix_view(shape: Sequence[int]) -> Tuple[int, int]:
+    """``(n, m)``: a tensor of ``shape`` (two or more dimensions) as a matrix,
+    its rows ``shape[0]``, every other dimension flattened into its columns."""
+    return shape[0], math.prod(shape[1:])
+
+
+def core_rank_of(n: int, m: int, core_rank: int) -> int:
+    """``r``, the side of an (n, m) matrix's core: ``core_rank``, at most ``min(n, m)``."""
+    return min(core_rank, n, m)
+
+
+def elements_per_step(n: int, m: int, r: int, refresh_period: int) -> float:
+    """Elements a rank sends per step for an (n, m) matrix of core side ``r``,
+    over a refresh period: its core every step, its two sketches every
+    ``refresh_period`` steps."""
+    return r * r + (n + m) * r / refresh_period
+
+
+def compresses(n: int, m: int, r: int, refresh_period: int) -> bool:
+    """Whether the core and the sketches send fewer elements than the matrix."""
+    return elements_per_step(n, m, r, refresh_period) < n * m
+
+
+def sketch_seed(seed: int, step: int, index: int) -> int:
+    """The seed of the Gaussian draws of the tensor at ``index`` (its position
+    among the parameters) at ``step``, the same on every rank.
+
+    ``7919 step + index`` offset by a multiple of ``seed``: two tensors of one
+    step, or one tensor at two steps, draw differently unless the model has
+    more than 7,919 parameter tensors.
+    """
+    return (seed * 0x9E3779B97F4A7C15 + 7919 * step + index) % 2 ** 63
+
+
+def sketch_draws(n: int, m: int, r: int, seed: int, dtype: torch.dtype = torch.float32,
+                 device: Optional[torch.device] = None) -> Tuple[Tensor, Tensor]:
+    """``(Omega, Psi)`` of shapes (m, r) and (n, r): standard Gaussian, drawn
+    in that order in float32 on the CPU from a generator seeded ``seed``
+    (:func:`sketch_seed`), then cast: the same bits on every rank and device."""
+    generator = torch.Generator().manual_seed(seed)
+    omega = torch.randn(m, r, generator=generator)
+    psi = torch.randn(n, r, generator=generator)
+    return omega.to(dtype=dtype, device=device), psi.to(dtype=dtype, device=device)
+
+
+def sketches(grad: Tensor, omega: Tensor, psi: Tensor) -> Tuple[Tensor, Tensor]:
+    """``(G Omega, G^T Psi)``, shapes (n, r) and (m, r), of ``grad`` (n, m)."""
+    return grad @ omega, grad.t() @ psi
+
+
+def project(grad: Tensor, U: Tensor, V: Tensor) -> Tensor:
+    """The core ``U^T G V`` (r, r) of ``grad`` (n, m) on the bases ``U`` (n, r), ``V`` (m, r)."""
+    return U.t() @ grad @ V
+
+
+def orthonormal_basis(sketch: Tensor) -> Tensor:
+    """``Q`` of the reduced QR decomposition of ``sketch`` (k, r): orthonormal
+    columns that span it (Householder's, orthonormal even where ``sketch``
+    has a lower rank)."""
+    return torch.linalg.qr(sketch, mode="reduced").Q
+
+
+def core_adam_(weights: Tensor, core: Tensor, U: Tensor, V: Tensor, exp_avg: Tensor,
+               exp_avg_sq: Tensor, core_steps: int, *, lr: float, betas: Tuple[float, float],
+               eps: float, weight_decay: float, scale: float) -> Tensor:
+    """One Adam step in the core space, in place on ``weights``, ``exp_avg``, ``exp_avg_sq``.
+
+    ``M = b1 M + (1 - b1) C``, ``S = b2 S + (1 - b2) C * C``; then
+    ``w = w (1 - lr weight_decay) - lr scale U (M^ / (sqrt(S^) + eps)) V^T``
+    with ``M^ = M / (1 - b1^t)``, ``S^ = S / (1 - b2^t)``, ``t = core_steps``.
+
+    Args:
+        weights: the parameter, any shape of ``n m`` elements (viewed (n, m)).
+        core: the averaged core ``C`` (r, r).
+        U, V: the bases the core was taken on, (n, r) and (m, r).
+        exp_avg, exp_avg_sq: ``M`` and ``S`` (r, r).
+        core_steps: core steps taken with this one (>= 1).
+        lr, betas, eps, weight_decay: Adam's (``weight_decay`` decoupled, as AdamW's).
+        scale: the update's factor (GaLore's alpha).
+    """
+    beta1, beta2 = betas
+    exp_avg.mul_(beta1).add_(core, alpha=1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(core, core, value=1 - beta2)
+    direction = (exp_avg / (1 - beta1 ** core_steps)) / (
+        (exp_avg_sq / (1 - beta2 ** core_steps)).sqrt() + eps)
+    update = U @ direction @ V.t()
+    if weight_decay:
+        weights.mul_(1.0 - lr * weight_decay)
+    return weights.sub_((lr * scale * update).view_as(weights).to(weights.dtype))
+
+
+def rotate_moments(exp_avg: Tensor, exp_avg_sq: Tensor, U_old: Tensor, V_old: Tensor,
+                   U_new: Tensor, V_new: Tensor) -> Tuple[Tensor, Tensor]:
+    """The core moments moved from the old bases to the new ones.
+
+    ``R1 = U_new^T U_old``, ``R2 = V_old^T V_new``; ``M' = R1 M R2`` and
+    ``S' = (R1 * R1) S (R2 * R2)`` (elementwise squares: ``S'`` stays
+    non-negative). Identical bases leave both as they are.
+
+    Returns:
+        New tensors ``(M', S')``, each (r, r).
+    """
+    R1, R2 = U_new.t() @ U_old, V_old.t() @ V_new
+    return R1 @ exp_avg @ R2, (R1 * R1) @ exp_avg_sq @ (R2 * R2)

@@ -1,6 +1,6 @@
-"""The settings of the two baselines, their defaults and their checks.
+"""The settings of the baselines, their defaults and their checks.
 
-The optimizers (:mod:`.diloco`, :mod:`.demo`), the registry of methods and
+The optimizers (:mod:`.diloco`, :mod:`.demo`, :mod:`.tsr`), the registry of methods and
 the planner's cost model (:mod:`hvd_acp.plan.baselines`) read the defaults
 from here. ``None`` for a setting means its default, as for
 :class:`hvd_acp.Settings`.
@@ -8,12 +8,12 @@ from here. ``None`` for a setting means its default, as for
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Tuple
 
 from ..settings import is_int as _is_int
 from ..settings import is_number as _is_number
 
-__all__ = ["DiLoCoSettings", "DeMoSettings"]
+__all__ = ["DiLoCoSettings", "DeMoSettings", "TSRSettings"]
 
 
 def _with_defaults(settings):
@@ -98,3 +98,81 @@ class DeMoSettings:
             raise ValueError(f"momentum_decay must be a number in [0, 1), got "
                              f"{done.momentum_decay!r}")
         return done
+
+
+@dataclasses.dataclass(frozen=True)
+class TSRSettings:
+    """The TSR-style method's settings (:class:`hvd_acp.baselines.TSROptimizer`).
+
+    Attributes:
+        core_rank: ``r``, the side of the r x r core each matrix sends per
+            step and the columns of its bases (default 32), at most the
+            matrix's smaller side.
+        embedding_core_rank: the same for the embeddings
+            (``embedding_names``); default ``core_rank``.
+        refresh_period: ``K``, steps between two refreshes of the bases
+            (default 10). A refresh sends two sketches, (n + m) r elements;
+            per step an (n, m) matrix sends ``r^2 + (n + m) r / K`` elements
+            over a period.
+        embedding_refresh_period: the same for the embeddings; default
+            ``refresh_period``.
+        scale: the factor of the update (GaLore's alpha; default 1).
+        fp16_wire: the step's buffer (cores, sketches and the exactly
+            averaged gradients) travels in float16 (default True), otherwise
+            in float32 (the parameters' dtype where wider).
+        seed: seed of the sketches' Gaussian draws, the same on every rank
+            (default 0).
+        embedding_names: the parameters that take the embedding settings, by
+            name (default none; :func:`hvd_acp.baselines.embedding_parameter_names`
+            lists a model's ``nn.Embedding`` weights); kept sorted.
+    """
+
+    core_rank: Optional[int] = None
+    embedding_core_rank: Optional[int] = None
+    refresh_period: Optional[int] = None
+    embedding_refresh_period: Optional[int] = None
+    scale: Optional[float] = None
+    fp16_wire: Optional[bool] = None
+    seed: Optional[int] = None
+    embedding_names: Optional[Tuple[str, ...]] = None
+
+    DEFAULTS = {"core_rank": 32, "refresh_period": 10, "scale": 1.0, "fp16_wire": True,
+                "seed": 0, "embedding_names": ()}
+
+    def resolve(self) -> "TSRSettings":
+        """These settings with every ``None`` replaced by its default (the
+        embeddings' by the others'), checked (``ValueError``/``TypeError``
+        naming the first bad one and its value)."""
+        done = _with_defaults(self)
+        done = dataclasses.replace(
+            done, embedding_core_rank=(done.core_rank if done.embedding_core_rank is None
+                                       else done.embedding_core_rank),
+            embedding_refresh_period=(done.refresh_period if done.embedding_refresh_period is None
+                                      else done.embedding_refresh_period))
+        for name in ("core_rank", "embedding_core_rank", "refresh_period",
+                     "embedding_refresh_period"):
+            value = getattr(done, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not _is_number(done.scale) or done.scale <= 0:
+            raise ValueError(f"scale must be a number > 0, got {done.scale!r}")
+        if not isinstance(done.fp16_wire, bool):
+            raise TypeError(f"fp16_wire must be a bool, got {done.fp16_wire!r}")
+        if not _is_int(done.seed) or not 0 <= done.seed < 2 ** 63:
+            raise ValueError(f"seed must be an int in [0, 2**63), got {done.seed!r}")
+        names = done.embedding_names
+        if isinstance(names, (str, bytes)) or not _is_iterable(names):
+            raise TypeError(f"embedding_names must be an iterable of parameter names, got "
+                            f"{names!r}")
+        names = tuple(names)
+        if not all(isinstance(name, str) for name in names):
+            raise TypeError(f"embedding_names must hold parameter names (str), got {names!r}")
+        return dataclasses.replace(done, embedding_names=tuple(sorted(set(names))))
+
+
+def _is_iterable(value) -> bool:
+    try:
+        iter(value)
+    except TypeError:
+        return False
+    return True

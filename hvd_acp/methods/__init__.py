@@ -85,7 +85,7 @@ class Method:
     Attributes:
         key: its name in ``--methods``, results files and predictions.
         algorithm: what it computes: ``S-SGD``, ``Power-SGD`` or ``ACP-SGD``;
-            or ``DiLoCo`` or ``DeMo``, which average no gradient
+            or ``DiLoCo``, ``DeMo`` or ``TSR``, which average no gradient
             (:mod:`hvd_acp.baselines`).
         label: its short name, for sentences and the planner's tables.
         implementation: the API that runs it.
@@ -123,8 +123,8 @@ class Method:
     @property
     def averages_gradients(self) -> bool:
         """Whether it averages every step's gradient (S-SGD, Power-SGD, ACP-SGD),
-        so that its step time ranks it against the others; DiLoCo and DeMo
-        are other algorithms, whose step time says nothing about their loss."""
+        so that its step time ranks it against the others; DiLoCo, DeMo and
+        TSR are other algorithms, whose step time says nothing about their loss."""
         return not self.settings
 
     @property
@@ -288,14 +288,19 @@ def _acp_ddp(model, optimizer, *, matrix_rank, warmup_steps, ddp_options, **opti
         state)
 
 
-def _baseline(class_name: str):
+def _baseline(class_name: str, embeddings: bool = False):
     """Factory of one of :mod:`hvd_acp.baselines`' optimizers around the torch
-    optimizer (the inner one). They compress no gradient: ``matrix_rank`` is
-    ignored, as S-SGD ignores it."""
+    optimizer (the inner one). They compress no gradient the way hvd_acp's
+    compressors do: ``matrix_rank`` is ignored, as S-SGD ignores it (TSR's
+    rank is its own ``core_rank``). With ``embeddings``, ``embedding_names``
+    defaults to the model's ``nn.Embedding`` weights."""
     def factory(model, optimizer, *, matrix_rank, warmup_steps, ddp_options, **options):
         import hvd_acp
         if warmup_steps:
             raise ValueError(f"{class_name} has no exact warm-up: no warmup_steps")
+        if embeddings and options.get("embedding_names") is None:
+            from ..baselines import embedding_parameter_names
+            options["embedding_names"] = embedding_parameter_names(model)
         wrapped = getattr(hvd_acp, class_name)(
             optimizer, named_parameters=model.named_parameters(), **options)
         stats = wrapped.comm_stats
@@ -383,6 +388,11 @@ REGISTRY: Dict[str, Method] = {m.key: m for m in (
     Method("demo", "DeMo", "DeMo-style", "hvd_acp.DeMoOptimizer", HOROVOD,
            _baseline("DeMoOptimizer"), "tab:olive", not_predicted=_NOT_PER_STEP,
            settings=("top_k", "chunk_size", "momentum_decay")),
+    Method("tsr", "TSR", "TSR-style", "hvd_acp.TSROptimizer", HOROVOD,
+           _baseline("TSROptimizer", embeddings=True), "goldenrod", not_predicted=_NOT_PER_STEP,
+           settings=("core_rank", "embedding_core_rank", "refresh_period",
+                     "embedding_refresh_period", "scale", "fp16_wire", "seed",
+                     "embedding_names")),
 )}
 #: The keys, in report order.
 KEYS: Tuple[str, ...] = tuple(REGISTRY)

@@ -4,8 +4,8 @@
 - :mod:`.timeline`: one step of each method of :mod:`hvd_acp.methods` it
   can simulate (S-SGD, Power-SGD on hvd_acp and the DDP hook, ACP-SGD),
   from a profile (pure);
-- :mod:`.baselines`: bytes per step of DiLoCo and the DeMo-style method and the
-  time of their collectives, beside the table (pure);
+- :mod:`.baselines`: bytes per step of DiLoCo, the DeMo-style and the TSR-style
+  method and the time of their collectives, beside the table (pure);
 - :mod:`.profile`: the measurements (torch), :func:`profile_model` for any model;
 - :mod:`.node`: the profile as a node's ranks run: every local rank at once
   (:mod:`.node_worker`), Horovod's thread alive, what was assumed recorded;

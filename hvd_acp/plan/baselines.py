@@ -1,5 +1,5 @@
-"""Bytes per step of DiLoCo and the DeMo-style method, and the time of their
-collectives, from a profile's parameters (pure Python).
+"""Bytes per step of DiLoCo, the DeMo-style and the TSR-style method, and the
+time of their collectives, from a profile's parameters (pure Python).
 
 The planner does not put these methods in its table of step times (see
 their ``not_predicted`` in :mod:`hvd_acp.methods`): they are other
@@ -15,9 +15,18 @@ What it can say, and writes beside the table:
   gradients: a rank sends ``b + e`` and receives ``(N - 1) b + e`` per step
   (``b`` its coefficients, ``e`` the 1-D gradients); its collectives take
   ``allgather_s(b) + allreduce_s(e)``.
+- **TSR-style** all-reduces one buffer per step: the r x r core of every
+  matrix that gains by it, every ``K`` steps its two sketches, ``(n + m) r``
+  elements, and the other tensors' gradients; ``r^2 + (n + m) r / K``
+  elements per matrix and step over a period, sent and received, 2 bytes
+  each on its default fp16 wire (at least 4 otherwise). Its collective
+  takes ``((K - 1) allreduce_s(c) + allreduce_s(c + s)) / K`` per step
+  (``c`` the cores and the rest, ``s`` the sketches).
 
-The same sizes as :class:`hvd_acp.DeMoOptimizer`'s packing (a test holds
-them to the optimizer's counters).
+The same sizes as :class:`hvd_acp.DeMoOptimizer`'s packing and
+:class:`hvd_acp.TSROptimizer`'s buffer (a test holds them to the optimizers'
+counters). TSR's embeddings take its defaults here: a profile does not say
+which parameters are embeddings.
 """
 from __future__ import annotations
 
@@ -25,10 +34,12 @@ import dataclasses
 import math
 from typing import Dict, Optional, Sequence
 
-from ..baselines.settings import DeMoSettings, DiLoCoSettings
+from ..baselines import maths as baseline_maths
+from ..baselines.settings import DeMoSettings, DiLoCoSettings, TSRSettings
 from .cost import Network, allreduce_s, ring_allgather_s
 
-__all__ = ["BaselineCost", "index_bytes", "diloco_cost", "demo_cost", "baseline_costs"]
+__all__ = ["BaselineCost", "index_bytes", "diloco_cost", "demo_cost", "tsr_cost",
+           "baseline_costs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,14 +88,43 @@ def demo_cost(params: Sequence[dict], ranks: int, net: Network, top_k: Optional[
                         ring_allgather_s(gathered, ranks, net) + allreduce_s(exact, ranks, net))
 
 
+def tsr_cost(params: Sequence[dict], ranks: int, net: Network,
+             core_rank: Optional[int] = None, refresh_period: Optional[int] = None,
+             fp16_wire: Optional[bool] = None) -> BaselineCost:
+    """The TSR-style method's cost per step over a refresh period
+    (``core_rank``, ``refresh_period``, ``fp16_wire``: default the library's)."""
+    s = TSRSettings(core_rank=core_rank, refresh_period=refresh_period,
+                    fp16_wire=fp16_wire).resolve()
+    element = 2 if s.fp16_wire else max([4] + [_element_bytes(p) for p in params])
+    cores = sketched = 0.0
+    for p in params:
+        if len(p["shape"]) < 2:
+            cores += p["numel"]
+            continue
+        n, m = baseline_maths.matrix_view(p["shape"])
+        r = baseline_maths.core_rank_of(n, m, s.core_rank)
+        if baseline_maths.compresses(n, m, r, s.refresh_period):
+            cores += r * r
+            sketched += (n + m) * r
+        else:
+            cores += p["numel"]
+    period = s.refresh_period
+    sent = (cores + sketched / period) * element
+    seconds = ((period - 1) * allreduce_s(cores * element, ranks, net)
+               + allreduce_s((cores + sketched) * element, ranks, net)) / period
+    return BaselineCost(sent, sent, seconds)
+
+
 def baseline_costs(params: Sequence[dict], ranks: int, net: Network,
                    settings: Optional[Dict[str, dict]] = None) -> Dict[str, BaselineCost]:
-    """``{"diloco": ..., "demo": ...}`` with each method's ``settings`` (keyword
-    arguments of :func:`diloco_cost` and :func:`demo_cost`; default the library's).
-    ``demo`` only where every parameter has its ``shape`` and ``numel`` (a
-    profile may lack them: :mod:`.profile_format` does not require them)."""
+    """``{"diloco": ..., "demo": ..., "tsr": ...}`` with each method's ``settings``
+    (keyword arguments of :func:`diloco_cost`, :func:`demo_cost` and
+    :func:`tsr_cost`; default the library's). ``demo`` and ``tsr`` only where
+    every parameter has its ``shape`` and ``numel`` (a profile may lack them:
+    :mod:`.profile_format` does not require them)."""
     settings = settings or {}
     costs = {"diloco": diloco_cost(params, ranks, net, **settings.get("diloco", {}))}
     if all("shape" in p and "numel" in p for p in params):
         costs["demo"] = demo_cost(params, ranks, net, **settings.get("demo", {}))
+        costs["tsr"] = tsr_cost(params, ranks, net, **settings.get("tsr", {}))
     return costs

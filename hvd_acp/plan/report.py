@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from ..baselines.settings import DeMoSettings, DiLoCoSettings
+from ..baselines.settings import DeMoSettings, DiLoCoSettings, TSRSettings
 from ..methods import REGISTRY, get, label
 from .baselines import baseline_costs
 from .cost import Network
@@ -229,20 +229,25 @@ def format_plan_md(plan: dict) -> str:
 
 
 def _baselines_md(plan: dict) -> List[str]:
-    """The table of what DiLoCo and the DeMo-style method send (:mod:`.baselines`)."""
+    """The table of what DiLoCo, the DeMo-style and the TSR-style method send
+    (:mod:`.baselines`)."""
     entries = [e for e in plan["predictions"] if "baselines" in e]
     if not entries:
         return []
     diloco, demo = DiLoCoSettings().resolve(), DeMoSettings().resolve()
-    lines = ["", f"{label('diloco')} (H = {diloco.inner_steps}) and {label('demo')} (k = "
-             f"{demo.top_k} of {demo.chunk_size}), other algorithms than averaging each step's "
+    tsr = TSRSettings().resolve()
+    keys = ("diloco", "demo", "tsr")
+    lines = ["", f"{label('diloco')} (H = {diloco.inner_steps}), {label('demo')} (k = "
+             f"{demo.top_k} of {demo.chunk_size}) and {label('tsr')} (r = {tsr.core_rank}, "
+             f"K = {tsr.refresh_period}), other algorithms than averaging each step's "
              "gradient, are not in the tables above; per rank and step, MB sent / received "
              "and the seconds of their collectives on the link, not overlapped with compute:",
-             "", f"| ranks | link | {label('diloco')} | {label('demo')} |", "|---:|---|---|---|"]
+             "", "| ranks | link | " + " | ".join(label(k) for k in keys) + " |",
+             "|---:|---|" + "---|" * len(keys)]
     for e in entries:
         cells = [f"{c['bytes_sent'] / 1e6:.3g} / {c['bytes_received'] / 1e6:.3g} MB; "
                  f"{c['comm_s']:.3g} s" if c else "n/a (the profile lacks the shapes)"
-                 for c in (e["baselines"].get(k) for k in ("diloco", "demo"))]
+                 for c in (e["baselines"].get(k) for k in keys)]
         lines.append(f"| {e['np']} | {_fmt_bw(e['bandwidth_mbit'])} | " + " | ".join(cells) + " |")
     return lines
 
