@@ -86,14 +86,24 @@ BASELINE_FLAGS = {
     "--demo-chunk": ("demo", "chunk_size", int, "DeMo: elements per DCT chunk (library: 64)"),
     "--demo-beta": ("demo", "momentum_decay", float,
                     "DeMo: decay of each rank's momentum (library: 0.999)"),
+    "--tsr-rank": ("tsr", "core_rank", int,
+                   "TSR: side r of each matrix's core, columns of its bases (library: 32)"),
+    "--tsr-k": ("tsr", "refresh_period", int,
+                "TSR: steps K between two refreshes of the bases (library: 10)"),
+    "--tsr-embedding-rank": ("tsr", "embedding_core_rank", int,
+                             "TSR: r of the nn.Embedding weights (library: --tsr-rank's)"),
+    "--tsr-embedding-k": ("tsr", "embedding_refresh_period", int,
+                          "TSR: K of the nn.Embedding weights (library: --tsr-k's)"),
+    "--tsr-scale": ("tsr", "scale", float, "TSR: factor of the update (library: 1)"),
 }
 
 
 def add_baseline_args(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``--optimizer diloco`` and ``demo`` (:data:`BASELINE_FLAGS`),
-    each stored under the keyword it sets (``args.inner_steps``, ...)."""
+    """The flags of ``--optimizer diloco``, ``demo`` and ``tsr``
+    (:data:`BASELINE_FLAGS`), each stored under the keyword it sets
+    (``args.inner_steps``, ...)."""
     group = parser.add_argument_group(
-        "baselines", "settings of --optimizer diloco and demo; left out: the library's "
+        "baselines", "settings of --optimizer diloco, demo and tsr; left out: the library's "
         "defaults (hvd_acp.baselines.settings)")
     for flag, (_, keyword, kind, text) in BASELINE_FLAGS.items():
         group.add_argument(flag, type=kind, default=None, dest=keyword, help=text)
@@ -199,8 +209,9 @@ class ByteMeter:
     full gradient per step, which is what it submits (half of it with
     ``fp16``: ``hvd.Compression.fp16`` sends each float32 gradient as
     float16). An all-reduce hands
-    back as many bytes as it was handed; the DeMo-style method's all-gather
-    hands back every other rank's part, which its ``comm_stats`` count.
+    back as many bytes as it was handed (the TSR-style method's one
+    all-reduce too); the DeMo-style method's all-gather hands back every
+    other rank's part, which its ``comm_stats`` count.
     """
 
     def __init__(self, optimizer, model: nn.Module, fp16: bool = False):

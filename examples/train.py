@@ -11,10 +11,10 @@ S-SGD, Power-SGD and ACP-SGD is the optimizer swap (``--optimizer``, in
                                              matrix_rank=4)
 
 ``--optimizer`` also offers S-SGD with fp16 gradients, ACP-SGD's fp16 wire
-and two ablations of it (no overlap with backward, no fusion), and two
-methods that average no gradient, DiLoCo and a DeMo-style method
-(``hvd_acp.baselines``); DiLoCo's replicas differ between its outer steps,
-so the run ends on one and is scored on the weights of the last.
+and two ablations of it (no overlap with backward, no fusion), and three
+methods that average no gradient, DiLoCo, a DeMo-style and a TSR-style
+method (``hvd_acp.baselines``); DiLoCo's replicas differ between its outer
+steps, so the run ends on one and is scored on the weights of the last.
 
 Rank 0 prints the test accuracy and loss after every epoch and, at the end,
 the bytes each rank sent next to what S-SGD would have sent for the same
@@ -41,7 +41,7 @@ from common import (ByteMeter, DigitsCNN, DigitsResNet, add_baseline_args, add_t
 
 #: ``--optimizer``: Horovod's S-SGD, hvd_acp's compressors, the baselines.
 OPTIMIZERS = ("ssgd", "ssgd-fp16", "powersgd", "acp", "acp-fp16", "acp-nooverlap",
-              "acp-nofusion", "diloco", "demo")
+              "acp-nofusion", "diloco", "demo", "tsr")
 #: Those that take --warmup-steps, --step-ahead and --diagnostics.
 COMPRESSORS = ("powersgd", "acp", "acp-fp16", "acp-nooverlap", "acp-nofusion")
 
@@ -56,7 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "hvd.Compression.fp16; acp-nooverlap: overlap=False; "
                              "acp-nofusion: fusion_threshold_bytes=0; diloco: "
                              "hvd_acp.baselines.DiLoCoOptimizer; demo: "
-                             "hvd_acp.baselines.DeMoOptimizer (default: %(default)s)")
+                             "hvd_acp.baselines.DeMoOptimizer; tsr: "
+                             "hvd_acp.baselines.TSROptimizer (default: %(default)s)")
     add_training_args(parser, epochs=12, lr=0.025, batch_size=32)
     add_baseline_args(parser)
     parser.add_argument("--arch", choices=("cnn", "resnet"), default="cnn",
@@ -156,6 +157,13 @@ def main(argv=None) -> dict:
         optimizer = hvd_acp.baselines.DeMoOptimizer(
             optimizer, named_parameters=model.named_parameters(), top_k=args.top_k,
             chunk_size=args.chunk_size, momentum_decay=args.momentum_decay)
+    elif args.optimizer == "tsr":
+        optimizer = hvd_acp.baselines.TSROptimizer(
+            optimizer, named_parameters=model.named_parameters(), core_rank=args.core_rank,
+            refresh_period=args.refresh_period, embedding_core_rank=args.embedding_core_rank,
+            embedding_refresh_period=args.embedding_refresh_period, scale=args.scale,
+            seed=args.seed,
+            embedding_names=hvd_acp.baselines.embedding_parameter_names(model))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     meter = ByteMeter(optimizer, model, fp16=args.optimizer == "ssgd-fp16")

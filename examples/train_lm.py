@@ -50,7 +50,7 @@ VOCAB_SIZE = 256
 VALIDATION_BUCKET = 10   # one file in ten (by path hash) is validation
 #: ``--optimizer``: Horovod's S-SGD, hvd_acp's compressors, the baselines.
 OPTIMIZERS = ("ssgd", "ssgd-fp16", "powersgd", "acp", "acp-fp16", "acp-nooverlap",
-              "acp-nofusion", "diloco", "demo")
+              "acp-nofusion", "diloco", "demo", "tsr")
 #: Those that take --warmup-steps, --step-ahead and --both-factors.
 COMPRESSORS = ("powersgd", "acp", "acp-fp16", "acp-nooverlap", "acp-nofusion")
 
@@ -65,7 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "hvd.Compression.fp16; acp-nooverlap: overlap=False; "
                              "acp-nofusion: fusion_threshold_bytes=0; diloco: "
                              "hvd_acp.baselines.DiLoCoOptimizer; demo: "
-                             "hvd_acp.baselines.DeMoOptimizer (default: %(default)s)")
+                             "hvd_acp.baselines.DeMoOptimizer; tsr: "
+                             "hvd_acp.baselines.TSROptimizer (default: %(default)s)")
     add_training_args(parser, epochs=10, lr=4e-3, batch_size=16)
     add_baseline_args(parser)
     parser.add_argument("--steps-per-epoch", type=int, default=100,
@@ -291,6 +292,13 @@ def main(argv=None) -> dict:
         optimizer = hvd_acp.baselines.DeMoOptimizer(
             optimizer, named_parameters=model.named_parameters(), top_k=args.top_k,
             chunk_size=args.chunk_size, momentum_decay=args.momentum_decay)
+    elif args.optimizer == "tsr":
+        optimizer = hvd_acp.baselines.TSROptimizer(
+            optimizer, named_parameters=model.named_parameters(), core_rank=args.core_rank,
+            refresh_period=args.refresh_period, embedding_core_rank=args.embedding_core_rank,
+            embedding_refresh_period=args.embedding_refresh_period, scale=args.scale,
+            seed=args.seed,
+            embedding_names=hvd_acp.baselines.embedding_parameter_names(model))
     total_steps = args.epochs * args.steps_per_epoch
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, args.lr_warmup_steps, total_steps))

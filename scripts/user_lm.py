@@ -22,7 +22,12 @@ path. Only the ``--optimizer`` line differs between methods:
   the run ends on an outer step;
 - ``demo``: ``hvd_acp.DeMoOptimizer`` (a sign update at ``--lr`` for the
   matrices, AdamW for the 1-D tensors) with ``--demo-k``, ``--demo-chunk``,
-  ``--demo-beta``.
+  ``--demo-beta``;
+- ``tsr``: ``hvd_acp.TSROptimizer`` (Adam in each matrix's core at the
+  AdamW group's rate and betas, AdamW for the 1-D tensors; the two
+  ``nn.Embedding`` weights take the embedding settings) with ``--tsr-rank``,
+  ``--tsr-k``, ``--tsr-embedding-rank``, ``--tsr-embedding-k``,
+  ``--tsr-scale`` and ``--fp16-wire``.
 
 Rank 0 writes ``--summary`` JSON: final validation loss, bytes each rank
 sent (and received: more than sent for ``demo``'s all-gather), and (for
@@ -51,7 +56,7 @@ from hvd_acp.plan.units import matrix_rank_type
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--optimizer", choices=("ssgd", "ssgd-fp16", "acp", "powersgd", "diloco",
-                                                "demo"),
+                                                "demo", "tsr"),
                         default="acp")
     parser.add_argument("--matrix-rank", type=matrix_rank_type, default=None,
                         help="an int, or 'auto'; default: the library's default")
@@ -63,8 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="with --matrix-rank auto: AutoRank(max_rank=...)")
     parser.add_argument("--step-ahead", type=float, default=None)
     parser.add_argument("--fp16-wire", choices=("on", "off"), default=None,
-                        help="acp, powersgd: the factors in fp16 on the wire or not "
-                             "(default: the library's)")
+                        help="acp, powersgd, tsr: the factors (tsr: its buffer) in fp16 on "
+                             "the wire or not (default: the library's)")
     parser.add_argument("--both-factors", choices=("on", "off"), default=None,
                         help="acp: both factors every step (on) or P and Q in turn (off); "
                              "default: the library's (on for adaptive optimizers)")
@@ -76,6 +81,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="demo: coefficients sent per chunk (default: the library's)")
     parser.add_argument("--demo-chunk", type=int, default=None)
     parser.add_argument("--demo-beta", type=float, default=None)
+    parser.add_argument("--tsr-rank", type=int, default=None,
+                        help="tsr: side r of each matrix's core (default: the library's)")
+    parser.add_argument("--tsr-k", type=int, default=None,
+                        help="tsr: steps between two refreshes of the bases (default: the "
+                             "library's)")
+    parser.add_argument("--tsr-embedding-rank", type=int, default=None)
+    parser.add_argument("--tsr-embedding-k", type=int, default=None)
+    parser.add_argument("--tsr-scale", type=float, default=None)
     parser.add_argument("--warmup-steps", type=int, default=None,
                         help="hvd_acp's exact steps before compression (default: the library's)")
     parser.add_argument("--steps", type=int, default=600)
@@ -193,7 +206,11 @@ def main(argv=None) -> dict:
             else hvd.Compression.none
     if args.both_factors is not None:
         extra["both_factors"] = args.both_factors == "on"
-    if extra and args.optimizer in ("diloco", "demo"):
+    if args.optimizer == "tsr":
+        # TSR takes --fp16-wire as its own setting, none of the compressors' others.
+        compression = extra.pop("compression", None)
+        fp16_wire = None if compression is None else compression is hvd.Compression.fp16
+    if extra and args.optimizer in ("diloco", "demo", "tsr"):
         raise SystemExit(f"--optimizer {args.optimizer} takes none of {sorted(extra)}")
     if args.optimizer in ("ssgd", "ssgd-fp16"):
         compression = hvd.Compression.fp16 if args.optimizer == "ssgd-fp16" \
@@ -209,6 +226,13 @@ def main(argv=None) -> dict:
         optimizer = hvd_acp.DeMoOptimizer(optimizer, named_parameters=named,
                                           top_k=args.demo_k, chunk_size=args.demo_chunk,
                                           momentum_decay=args.demo_beta)
+    elif args.optimizer == "tsr":
+        optimizer = hvd_acp.TSROptimizer(
+            optimizer, named_parameters=named, core_rank=args.tsr_rank,
+            refresh_period=args.tsr_k, embedding_core_rank=args.tsr_embedding_rank,
+            embedding_refresh_period=args.tsr_embedding_k, scale=args.tsr_scale,
+            fp16_wire=fp16_wire, seed=args.seed,
+            embedding_names=hvd_acp.baselines.embedding_parameter_names(model))
     elif args.optimizer == "acp":
         optimizer = hvd_acp.DistributedOptimizer(optimizer, named_parameters=named, **extra)
     else:
@@ -273,7 +297,7 @@ def main(argv=None) -> dict:
                "ssgd_bytes_per_step": grad_bytes, "wall_s": wall}
     if args.amp:
         summary["amp"] = {"skipped_steps": skipped, "final_scale": scaler.get_scale()}
-    if args.optimizer in ("diloco", "demo"):
+    if args.optimizer in ("diloco", "demo", "tsr"):
         summary["method_settings"] = dataclasses.asdict(optimizer.settings)
     elif args.optimizer in ("acp", "powersgd"):
         summary["settings"] = {key: value if isinstance(value, (int, float, bool, type(None)))

@@ -185,7 +185,12 @@ def test_the_examples_pass_each_method_its_own_flags(example, script):
         parse_args(["--optimizer", "ssgd", "--diloco-h", "20", "--demo-k", "2"])
     with pytest.raises(SystemExit, match="--optimizer diloco takes no top_k"):
         parse_args(["--optimizer", "diloco", "--diloco-h", "20", "--demo-k", "2"])
-    for optimizer in ("ssgd", "ssgd-fp16", "demo"):
+    args = parse_args(["--optimizer", "tsr", "--tsr-rank", "8", "--tsr-embedding-k", "5"])
+    assert (args.core_rank, args.embedding_refresh_period, args.refresh_period) == (8, 5, None)
+    with pytest.raises(SystemExit, match="--optimizer demo takes no refresh_period: "
+                                         "those flags apply to tsr$"):
+        parse_args(["--optimizer", "demo", "--tsr-k", "5"])
+    for optimizer in ("ssgd", "ssgd-fp16", "demo", "tsr"):
         with pytest.raises(SystemExit, match="only apply to --optimizer acp or powersgd"):
             parse_args(["--optimizer", optimizer, "--warmup-steps", "3"])
         with pytest.raises(SystemExit, match="only apply to --optimizer acp or powersgd"):
@@ -202,7 +207,8 @@ def test_the_ddp_example_passes_each_hook_its_own_flags(example):
 
 
 @pytest.mark.parametrize("optimizer, flags", [("diloco", ("--diloco-h", "4")),
-                                              ("demo", ("--demo-k", "4"))])
+                                              ("demo", ("--demo-k", "4")),
+                                              ("tsr", ("--tsr-rank", "4", "--tsr-k", "3"))])
 def test_lm_smoke_with_the_baselines(tmp_path, optimizer, flags):
     summary = _run_example(
         "train_lm.py", tmp_path / "lm.json", "--optimizer", optimizer, *flags, "--epochs", "2",
@@ -217,7 +223,7 @@ def test_lm_smoke_with_the_baselines(tmp_path, optimizer, flags):
         assert summary["bytes_sent_by_rank"] == [3 * dense] * 2
     else:
         assert 0 < sent < 10 * dense / 4
-    # At 2 ranks an all-gather receives as much as it sends.
+    # At 2 ranks an all-gather receives as much as it sends (an all-reduce always does).
     assert summary["bytes_received_per_rank"] == sent
 
 
