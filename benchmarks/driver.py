@@ -408,7 +408,10 @@ NOTES = [
     "all-reduces every parameter once every H steps: over fewer timed steps the count can be "
     "0, and bytes_sent_per_step_analytic gives the bytes over H; the DeMo-style method "
     "(demo) all-gathers its coefficients, and bytes_received_per_step counts the other "
-    "ranks' parts it receives (N-1 times its own) plus its averaged 1-D gradients.",
+    "ranks' parts it receives (N-1 times its own) plus its averaged 1-D gradients; the "
+    "TSR-style method (tsr) all-reduces each matrix's core every step and its sketches every "
+    "K steps, so the count of a few timed steps depends on where the refreshes fall, and "
+    "bytes_sent_per_step_analytic gives the average over K.",
     "allreduces_per_step: all-reduce operations started per step (hvd_acp: fused buffers, "
     "one per tensor for acp-nofusion; S-SGD under Horovod: tensors handed to Horovod, "
     "which fuses them in its background thread; DDP and DDP fp16: 1 per bucket; DDP "

@@ -257,7 +257,8 @@ def _counters(job: Job, built: Distributed, result: Dict[str, Any],
     expected = getattr(built.optimizer, "expected_bytes_per_step", None)
     if expected is not None:
         # hvd_acp.baselines: DiLoCo sends once every H steps, which a few
-        # timed steps may not reach; DeMo receives more than it sends.
+        # timed steps may not reach; DeMo receives more than it sends; TSR
+        # sends more on the steps that refresh its bases.
         result["bytes_sent_per_step_analytic"] = expected()
         counters["bytes_received"] = lambda: built.counters().bytes_received
     return counters
