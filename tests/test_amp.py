@@ -206,7 +206,7 @@ def test_the_ddp_hook_under_a_grad_scaler(case, np):
 
 
 @pytest.mark.horovod
-@pytest.mark.parametrize("baseline", ["diloco", "demo"])
+@pytest.mark.parametrize("baseline", ["diloco", "demo", "tsr"])
 def test_an_overflow_on_one_rank_is_skipped_by_every_rank_of_a_baseline(baseline):
     # Before the agreement the rank that did not overflow waited in step()'s
     # collective for ever; the timeout makes a hang a failure.

@@ -2,7 +2,7 @@
 ``horovodrun --gloo`` (the Horovod front ends) or ``torchrun`` (the DDP hook).
 
 Usage: ``amp_cases.py FRONT_END CASE`` with FRONT_END ``acp``, ``powersgd``,
-``diloco``, ``demo`` (horovodrun) or ``ddp`` (torchrun). Each rank prints
+``diloco``, ``demo``, ``tsr`` (horovodrun) or ``ddp`` (torchrun). Each rank prints
 ``OK <case> <rank>`` when every assertion held.
 
 - ``constant``: a constant power-of-two scale (growth off) and fp32 on the
@@ -94,12 +94,14 @@ class Run:
             self.state = hvd_acp.ddp.ACPState(named_parameters=module.named_parameters(),
                                               optimizer=self.opt, matrix_rank=2, **settings)
             self.model.register_comm_hook(self.state, hvd_acp.ddp.acp_hook)
-        elif FRONT_END in ("diloco", "demo"):
+        elif FRONT_END in ("diloco", "demo", "tsr"):
             self.model = module
             base = inner(module.parameters(), optimizer)
-            self.opt = (hvd_acp.DiLoCoOptimizer(base, module.named_parameters(), inner_steps=4)
+            named = module.named_parameters()
+            self.opt = (hvd_acp.DiLoCoOptimizer(base, named, inner_steps=4)
                         if FRONT_END == "diloco"
-                        else hvd_acp.DeMoOptimizer(base, module.named_parameters()))
+                        else hvd_acp.DeMoOptimizer(base, named) if FRONT_END == "demo"
+                        else hvd_acp.TSROptimizer(base, named, core_rank=2, refresh_period=3))
         else:
             self.model = module
             cls = (hvd_acp.PowerSGDOptimizer if FRONT_END == "powersgd"
