@@ -20,6 +20,8 @@ from typing import Any, List
 import torch
 from torch import Tensor
 
+from . import lanes
+
 __all__ = ["CommStats", "Communicator", "HorovodCommunicator", "LocalCommunicator",
            "gather_objects", "leave_process_group"]
 
@@ -68,6 +70,15 @@ class Communicator:
     def synchronize(self, handle: Any) -> None:
         """Wait for ``handle``; afterwards its tensor holds the result."""
         raise NotImplementedError
+
+    def allreduce_lanes_async_(self, tensor: Tensor, name: str) -> Any:
+        """Start reducing ``tensor``, integer levels in ``[-L, L]`` for this
+        world (:func:`hvd_acp.lanes.levels_per_rank`) or NaN, in place: they
+        travel as 8-bit lanes of int32 words (:mod:`hvd_acp.lanes`), summed;
+        after :meth:`synchronize` of the handle ``tensor`` holds
+        ``reduction_weight()`` times the levels' sum, or NaN everywhere if
+        any rank's held NaN. Counted as the words it sends."""
+        raise NotImplementedError(f"{type(self).__name__} cannot reduce 8-bit lanes")
 
     def included(self) -> bool:
         """Whether this process takes part in the reductions (is in the process set)."""
@@ -159,8 +170,16 @@ class LocalCommunicator(Communicator):
         return tensor
 
     def synchronize(self, handle: Any) -> None:
-        if self.scale != 1.0:
+        if isinstance(handle, _Pending):               # lanes: the words' digits
+            _unpack_into(handle.target, handle.sent, self.scale)
+        elif self.scale != 1.0:
             handle.mul_(self.scale)
+
+    def allreduce_lanes_async_(self, tensor: Tensor, name: str) -> Any:
+        words = lanes.pack(tensor)
+        self._count(words)
+        self.launched.append(name)
+        return _Pending(None, tensor, words, _LANES)
 
     def sparse_allreduce_async(self, tensor: Tensor, name: str) -> Any:
         tensor = tensor.coalesce()
@@ -187,6 +206,18 @@ class LocalCommunicator(Communicator):
 
     def any_rank(self, flag: bool, name: str) -> bool:
         return bool(flag)
+
+
+#: A :class:`_Pending`'s ``ctx`` for 8-bit lanes.
+_LANES = object()
+
+
+def _unpack_into(target: Tensor, words: Tensor, weight: float) -> None:
+    """``target`` <- ``weight`` times the level sums in ``words``."""
+    sums = lanes.unpack(words, target.numel(), target.dtype).view_as(target)
+    target.copy_(sums)
+    if weight != 1.0:
+        target.mul_(weight)
 
 
 @dataclasses.dataclass
@@ -271,9 +302,20 @@ class HorovodCommunicator(Communicator):
             postscale_factor=self.postscale, process_set=self.process_set)
         return _Pending(handle, tensor, sent, ctx)
 
+    def allreduce_lanes_async_(self, tensor: Tensor, name: str) -> Any:
+        # Always a sum of the words (digit sums stay exact), then this
+        # communicator's weight: the predivide factor's scales cancel out.
+        words = lanes.pack(tensor)
+        self._count(words)
+        handle = self._hvd.allreduce_async_(words, name=name, op=self._hvd.Sum,
+                                            process_set=self.process_set)
+        return _Pending(handle, tensor, words, _LANES)
+
     def synchronize(self, handle: _Pending) -> None:
         self._hvd.synchronize(handle.handle)
-        if handle.sent is not handle.target:
+        if handle.ctx is _LANES:
+            _unpack_into(handle.target, handle.sent, self.reduction_weight())
+        elif handle.sent is not handle.target:
             handle.target.copy_(self.compression.decompress(handle.sent, handle.ctx))
 
     def included(self) -> bool:

@@ -96,6 +96,10 @@ class ACPState:
                  named_parameters: Optional[Iterable[Tuple[str, Tensor]]] = None,
                  optimizer: Optional[torch.optim.Optimizer] = None, **named_settings) -> None:
         self.settings = Settings.of(settings, **named_settings)
+        if self.settings.int8_factors:
+            raise NotImplementedError(
+                "int8_factors is not in the DDP hook yet: its buckets mix factors and whole "
+                "gradients; use hvd_acp.DistributedOptimizer, or fp16_wire")
         self.process_group = process_group
         self._buckets = BucketReducer(process_group)
         self.optimizer: Optional[torch.optim.Optimizer] = None

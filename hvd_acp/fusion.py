@@ -66,6 +66,14 @@ class TensorLayout:
             return self.numel
         return codec.step_numel(self.n, self.m, self.r)
 
+    def wire_itemsize(self, codec, fp16_wire: bool = False) -> int:
+        """Bytes an element of this tensor's payload takes on the wire in a
+        step of ``codec``: 1 in 8-bit lanes, else 2 in fp16 or its dtype's."""
+        codec = as_codec(codec)
+        if codec.lanes and codec.compressed and self.compressed:
+            return 1
+        return 2 if fp16_wire else self.dtype.itemsize
+
     def payload_shape(self, codec) -> Tuple[int, ...]:
         """Shape of this tensor's slot in a buffer of ``codec``."""
         codec = as_codec(codec)
@@ -94,12 +102,16 @@ class Bucket:
         dtype: dtype of the buffer.
         slots: members, in the order their gradients are expected.
         numel: total elements.
+        lanes: whether the buffer holds integer levels that travel in 8-bit
+            lanes (:mod:`hvd_acp.lanes`): the factors of a codec with
+            ``lanes``, never mixed with whole gradients.
     """
 
     name: str
     dtype: torch.dtype
     slots: Tuple[Slot, ...]
     numel: int
+    lanes: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -157,7 +169,7 @@ def plan_buckets(layouts: Sequence[TensorLayout], codec,
     target (BERT's word embeddings, last of backward, in a P step), a buffer
     at least half full of two or more tensors closes early: they are on the
     wire while that gradient is still being computed. Buffers never mix
-    dtypes.
+    dtypes, nor (for a codec with ``lanes``) factors and whole gradients.
 
     Args:
         layouts: tensors in registration (forward) order.
@@ -188,32 +200,33 @@ def plan_buckets(layouts: Sequence[TensorLayout], codec,
     for group in groups or ():
         members = sorted((by_name[name] for name in group), key=lambda l: position[l.name])
         grouped.update(l.name for l in members)
-        by_dtype: Dict[torch.dtype, List[TensorLayout]] = {}
+        by_dtype: Dict[Tuple[torch.dtype, bool], List[TensorLayout]] = {}
         for lay in members:
-            by_dtype.setdefault(lay.dtype, []).append(lay)
+            by_dtype.setdefault((lay.dtype, _in_lanes(lay, codec)), []).append(lay)
         member_lists.extend(by_dtype.values())
 
-    open_lists: Dict[torch.dtype, List[TensorLayout]] = {}
-    open_bytes: Dict[torch.dtype, int] = {}
+    open_lists: Dict[Tuple[torch.dtype, bool], List[TensorLayout]] = {}
+    open_bytes: Dict[Tuple[torch.dtype, bool], int] = {}
     for lay in backward:
         if lay.name in grouped:
             continue
+        key = (lay.dtype, _in_lanes(lay, codec))
         nbytes = lay.payload_numel(codec) * lay.dtype.itemsize
-        if (nbytes >= target and len(open_lists.get(lay.dtype, ())) > 1
-                and 2 * open_bytes[lay.dtype] >= target):
+        if (nbytes >= target and len(open_lists.get(key, ())) > 1
+                and 2 * open_bytes[key] >= target):
             # A tensor that fills a buffer by itself travels alone, and a
             # buffer already half full launches without waiting for its
             # gradient. A lone tensor before it (its own layer's bias, whose
             # gradient comes with it) rides along instead.
-            member_lists.append(open_lists.pop(lay.dtype))
-            del open_bytes[lay.dtype]
-        current = open_lists.setdefault(lay.dtype, [])
+            member_lists.append(open_lists.pop(key))
+            del open_bytes[key]
+        current = open_lists.setdefault(key, [])
         current.append(lay)
-        open_bytes[lay.dtype] = open_bytes.get(lay.dtype, 0) + nbytes
-        if open_bytes[lay.dtype] >= target:
+        open_bytes[key] = open_bytes.get(key, 0) + nbytes
+        if open_bytes[key] >= target:
             member_lists.append(current)
-            del open_lists[lay.dtype]
-            del open_bytes[lay.dtype]
+            del open_lists[key]
+            del open_bytes[key]
     member_lists.extend(open_lists.values())
 
     # Order buckets by when they complete: the position of their last member.
@@ -229,8 +242,13 @@ def plan_buckets(layouts: Sequence[TensorLayout], codec,
         name = (f"{prefix}.{codec.name}.{index}.{members[0].name}"
                 + (f"..{members[-1].name}" if len(members) > 1 else ""))
         buckets.append(Bucket(name=name, dtype=members[0].dtype, slots=tuple(slots),
-                              numel=offset))
+                              numel=offset, lanes=_in_lanes(members[0], codec)))
     return buckets
+
+
+def _in_lanes(lay: TensorLayout, codec) -> bool:
+    """Whether ``lay``'s payload in a step of ``codec`` is integer levels."""
+    return bool(codec.lanes and codec.compressed and lay.compressed)
 
 
 def one_bucket(layouts: Sequence[TensorLayout], codec, name: str) -> Bucket:

@@ -86,7 +86,8 @@ class ACPReducer:
         self.recorder = Recorder() if diagnostics else None
         self.included = communicator.included()
         self.device = next((p.device for p in self.params.values()), torch.device("cpu"))
-        self.state = CompressionState(settings, cycle=self.cycle)
+        self.state = CompressionState(settings, cycle=self.cycle,
+                                      world_size=communicator.size())
         for name, param in self.params.items():
             self.state.add(name, param.shape, param.dtype, self.device)
         if self.included:
@@ -219,8 +220,9 @@ class ACPReducer:
     def _launch(self, rnd: Round, b_index: int) -> None:
         """Start the buffer's all-reduce; then, while it is on the wire, the
         residual of the slot that completed it."""
-        rnd.handles[b_index] = self.comm.allreduce_async_(
-            rnd.plan.buffers[b_index], rnd.plan.buckets[b_index].name)
+        bucket = rnd.plan.buckets[b_index]
+        start = self.comm.allreduce_lanes_async_ if bucket.lanes else self.comm.allreduce_async_
+        rnd.handles[b_index] = start(rnd.plan.buffers[b_index], bucket.name)
         owed = rnd.owed.pop(b_index, None)
         if owed is not None:
             started = time.perf_counter()

@@ -48,7 +48,7 @@ DEFAULTS = {
 #: step (ACP-SGD with ``both_factors=False``); Power-SGD, which sends two in
 #: two all-reduces, gets half of it: the same bytes.
 IN_TURN_SHARE = 0.5
-COMMON_DEFAULTS = {"warmup_steps": 0, "seed": 0, "step_ahead": 0.2}
+COMMON_DEFAULTS = {"warmup_steps": 0, "seed": 0, "step_ahead": 0.2, "int8_factors": False}
 
 def is_int(value) -> bool:
     """An integer that is not a bool."""
@@ -166,6 +166,18 @@ class Settings:
        method.
     7. ``seed`` (default 0): seed of the dedicated generator that draws the
        initial factors: identical on every rank, the global RNG untouched.
+    8. ``int8_factors`` (default False): with ``both_factors`` (its
+       default when this is True), each
+       element of the factors travels as an 8-bit integer level, four to an
+       int32 word (:mod:`hvd_acp.lanes`): half of fp16's bytes for the
+       factors (1-D tensors and uncompressed matrices keep ``fp16_wire``'s,
+       in buffers of their own). The scale of each factor column is the last
+       step's average of it (identical on every rank), and the error
+       feedback keeps what rounding and clipping leave out
+       (:mod:`hvd_acp.codecs.int8`). A rank has ``127 // N`` levels either
+       side of zero for N ranks (15 at 8 ranks), up to 127 ranks. The first
+       compressed step sends its factors as floats, to learn the scales.
+       Not with ``matrix_rank="auto"``, nor in the DDP hook yet.
     """
 
     matrix_rank: Union[int, float, str, AutoRank, None] = None
@@ -175,6 +187,7 @@ class Settings:
     step_ahead: Optional[float] = None
     fp16_wire: Optional[bool] = None
     both_factors: Optional[bool] = None
+    int8_factors: Optional[bool] = None
 
     def __post_init__(self) -> None:
         """Raise ``ValueError``/``TypeError`` naming the first bad setting
@@ -195,6 +208,14 @@ class Settings:
         if not isinstance(given.both_factors, bool):
             raise TypeError(f"both_factors must be True, False or None, got "
                             f"{self.both_factors!r}")
+        if not isinstance(given.int8_factors, bool):
+            raise TypeError(f"int8_factors must be True, False or None, got "
+                            f"{self.int8_factors!r}")
+        if given.int8_factors and not given.both_factors:
+            raise ValueError("int8_factors=True needs both_factors=True (the factors of P "
+                             "and Q in turn are not quantized)")
+        if given.int8_factors and parse_matrix_rank(given.matrix_rank)[1] is not None:
+            raise ValueError("int8_factors=True needs a fixed matrix_rank, not 'auto'")
 
     @classmethod
     def of(cls, settings: Optional["Settings"] = None, **keywords) -> "Settings":
@@ -239,7 +260,12 @@ class Settings:
             if self.both_factors:
                 raise ValueError("both_factors is ACP-SGD's: Power-SGD already sends both "
                                  "factors, in two all-reduces per step")
+            if self.int8_factors:
+                raise ValueError("int8_factors is ACP-SGD's (both factors in one all-reduce); "
+                                 "Power-SGD sends its factors as floats")
             defaults["both_factors"] = False
+        if self.int8_factors and self.both_factors is None:
+            defaults["both_factors"] = True          # what int8_factors quantizes
         both = defaults["both_factors"] if self.both_factors is None else self.both_factors
         if family == "adaptive" and (factors_per_step > 1 or not both):
             defaults["matrix_rank"] = IN_TURN_SHARE / factors_per_step
@@ -270,8 +296,19 @@ class Settings:
         else ``"alternating"`` (P and Q in turn)."""
         return "both" if self.both_factors else "alternating"
 
-    def codecs(self) -> Tuple:
+    def codecs(self, world_size: int = 1) -> Tuple:
         """The codecs of the compressed steps of :attr:`scheme`, in the order
-        they use them."""
-        from .codecs import SCHEMES
+        they use them; with ``int8_factors`` the 8-bit codec for
+        ``world_size`` ranks (:meth:`lead_codecs` go first)."""
+        from .codecs import SCHEMES, Int8PQCodec
+        if self.int8_factors:
+            from .lanes import levels_per_rank
+            return (Int8PQCodec(levels_per_rank(world_size)),)
         return SCHEMES[self.scheme]
+
+    def lead_codecs(self) -> Tuple:
+        """The codecs of the first compressed steps, before :meth:`codecs`
+        cycle: one float step of both factors with ``int8_factors`` (its
+        averaged factors give the 8-bit scales), else none."""
+        from .codecs import SCHEMES
+        return SCHEMES["both"] if self.int8_factors else ()

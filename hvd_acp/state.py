@@ -254,6 +254,8 @@ class CompressionState:
             dedicated generator that draws the initial factors in the order
             parameters are added (identical on every rank that adds the same
             parameters; the global RNG is untouched).
+        cycle: a front end's own codecs (Power-SGD's), instead of the scheme's.
+        world_size: the ranks averaging (the levels of ``int8_factors``).
 
     Attributes:
         settings: the settings.
@@ -277,7 +279,8 @@ class CompressionState:
     """
 
     def __init__(self, settings: Optional[Settings] = None, *,
-                 cycle: Optional[Sequence[Codec]] = None, **keywords) -> None:
+                 cycle: Optional[Sequence[Codec]] = None, world_size: int = 1,
+                 **keywords) -> None:
         if settings is None:
             settings = Settings(**keywords).resolve()
         elif keywords:
@@ -288,7 +291,11 @@ class CompressionState:
         self._initial_rank, self.auto = parse_matrix_rank(settings.matrix_rank)
         #: The codecs of the compressed steps, in turn (a front end of its own
         #: scheme, Power-SGD's, gives its own).
-        self._cycle: Tuple[Codec, ...] = tuple(cycle) if cycle else settings.codecs()
+        self._cycle: Tuple[Codec, ...] = (tuple(cycle) if cycle
+                                          else settings.codecs(world_size))
+        #: The codecs of the first compressed steps, before the cycle
+        #: (:meth:`.Settings.lead_codecs`).
+        self._lead: Tuple[Codec, ...] = () if cycle else settings.lead_codecs()
         #: Bumped whenever a tensor's rank changes (fused-buffer plans depend on it).
         self.layout_version = 0
         #: Under auto: the share of each probed gradient's energy its rank keeps.
@@ -344,7 +351,9 @@ class CompressionState:
             return DENSE
         if self.auto is not None:
             since -= self.auto.last_probe(since) + 1
-        return self._cycle[since % len(self._cycle)]
+        if since < len(self._lead):
+            return self._lead[since]
+        return self._cycle[(since - len(self._lead)) % len(self._cycle)]
 
     @property
     def phase(self):
@@ -590,15 +599,17 @@ class CompressionState:
         """One line for the log: what is compressed at which ranks, and the
         share of S-SGD's bytes a step sends (over the scheme's cycle)."""
         cycle = self._cycle
-        sent_bytes = sum(sum(lay.step_numel(codec) for codec in cycle) / len(cycle)
-                         * (2 if fp16_wire else lay.dtype.itemsize)
+        sent_bytes = sum(sum(lay.step_numel(codec) * lay.wire_itemsize(codec, fp16_wire)
+                             for codec in cycle) / len(cycle)
                          for lay in self.layouts.values())
         dense = sum(lay.numel * lay.grad_dtype.itemsize for lay in self.layouts.values())
+        wire = [", fp16 on the wire"] if fp16_wire else []
+        if any(codec.lanes for codec in cycle):
+            wire = [", factors in 8-bit lanes" + (", the rest in fp16" if fp16_wire else "")]
         return (f"compressed: {describe_ranks(self.ranks())}, "
                 f"{len(self.layouts) - len(self.tensors)} other tensors averaged whole; "
                 f"a step sends {sent_bytes / dense:.1%} of "
-                f"S-SGD's bytes ({sent_bytes:,.0f} of {dense:,} bytes"
-                f"{', fp16 on the wire' if fp16_wire else ''})")
+                f"S-SGD's bytes ({sent_bytes:,.0f} of {dense:,} bytes{''.join(wire)})")
 
     def compressed_elements(self) -> int:
         """Elements one rank sends in a compressed step (the most of the scheme's codecs)."""

@@ -191,7 +191,7 @@ def _ok(output: str, case: str) -> list:
 @pytest.mark.horovod
 @pytest.mark.parametrize("np", [2, 4])
 @pytest.mark.parametrize("case", ["constant", "dynamic"])
-@pytest.mark.parametrize("front_end", ["acp", "powersgd"])
+@pytest.mark.parametrize("front_end", ["acp", "acp-int8", "powersgd"])
 def test_horovod_front_ends_under_a_grad_scaler(front_end, case, np):
     result = horovodrun("amp_cases.py", front_end, case, np=np, timeout=300)
     assert _ok(result.stdout, case) == list(range(np)), result.stdout[-3000:]

@@ -26,10 +26,11 @@ def adamw():
 def test_the_defaults_depend_on_the_optimizer_family():
     resolved = Settings().resolve(sgd())
     assert resolved == Settings(matrix_rank=4, min_compression_rate=2.0, warmup_steps=0,
-                                seed=0, step_ahead=0.2, fp16_wire=False, both_factors=False)
+                                seed=0, step_ahead=0.2, fp16_wire=False, both_factors=False,
+                                int8_factors=False)
     assert Settings().resolve() == resolved           # no optimizer: the SGD defaults
     adaptive = Settings(matrix_rank=0.3, min_compression_rate=1.0, warmup_steps=0, seed=0,
-                        step_ahead=0.2, fp16_wire=True, both_factors=True)
+                        step_ahead=0.2, fp16_wire=True, both_factors=True, int8_factors=False)
     for optimizer in (adamw(), torch.optim.Adam([torch.zeros(2, 2, requires_grad=True)]),
                       torch.optim.RMSprop([torch.zeros(2, 2, requires_grad=True)]),
                       torch.optim.Adagrad([torch.zeros(2, 2, requires_grad=True)])):

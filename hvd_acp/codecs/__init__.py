@@ -5,6 +5,7 @@
 - :class:`Dense`: warm-up and auto-rank probes, every gradient whole;
 - :class:`PCodec`, :class:`QCodec` (:mod:`.alternating`): ACP-SGD's P and Q in turn;
 - :class:`PQCodec` (:mod:`.both`): both factors every step;
+- :class:`Int8PQCodec` (:mod:`.int8`): both factors as 8-bit levels (``int8_factors``);
 - :class:`PowerSGDFirst`, :class:`PowerSGDSecond` (:mod:`.powersgd`): Power-SGD's two rounds.
 
 :data:`SCHEMES` names the cycles of codecs a compressed run goes through;
@@ -18,9 +19,11 @@ from ..compression import Phase
 from .alternating import PCodec, QCodec
 from .base import Codec
 from .both import PQCodec
+from .int8 import Int8PQCodec
 from .powersgd import PowerSGDFirst, PowerSGDSecond
 
-__all__ = ["Codec", "Dense", "PCodec", "QCodec", "PQCodec", "PowerSGDFirst", "PowerSGDSecond",
+__all__ = ["Codec", "Dense", "PCodec", "QCodec", "PQCodec", "Int8PQCodec", "PowerSGDFirst",
+           "PowerSGDSecond",
            "DENSE", "SCHEMES", "as_codec", "codec_of"]
 
 

@@ -45,6 +45,8 @@ class Codec:
             the first round of a scheme whose gradient comes from a later one).
         copies_payload: whether a residual left for after the launch needs a
             copy of the payload (the all-reduce writes the average over it).
+        lanes: whether the payload is integer levels that travel in 8-bit
+            lanes (:mod:`hvd_acp.lanes`), in buffers of their own.
     """
 
     name: str = ""
@@ -52,6 +54,7 @@ class Codec:
     compressed: bool = True
     writes_gradient: bool = True
     copies_payload: bool = True
+    lanes: bool = False
 
     def payload_rows(self, n: int, m: int) -> int:
         """Rows of the (rows, r) payload of an (n, m) matrix."""

@@ -1,7 +1,8 @@
 """Mixed precision with the real ``torch.amp.GradScaler("cpu")``, under
 ``horovodrun --gloo`` (the Horovod front ends) or ``torchrun`` (the DDP hook).
 
-Usage: ``amp_cases.py FRONT_END CASE`` with FRONT_END ``acp``, ``powersgd``,
+Usage: ``amp_cases.py FRONT_END CASE`` with FRONT_END ``acp``, ``acp-int8``
+(``int8_factors=True``), ``powersgd``,
 ``diloco``, ``demo``, ``tsr`` (horovodrun) or ``ddp`` (torchrun). Each rank prints
 ``OK <case> <rank>`` when every assertion held.
 
@@ -106,6 +107,8 @@ class Run:
             self.model = module
             cls = (hvd_acp.PowerSGDOptimizer if FRONT_END == "powersgd"
                    else hvd_acp.DistributedOptimizer)
+            if FRONT_END == "acp-int8":
+                settings["int8_factors"] = True
             if "fp16_wire" in settings:
                 wire = settings.pop("fp16_wire")
                 settings["compression"] = hvd.Compression.fp16 if wire else hvd.Compression.none

@@ -1,0 +1,159 @@
+"""``int8_factors``: the factors in 8-bit lanes (hvd_acp.lanes, hvd_acp.codecs.int8)."""
+import pytest
+import torch
+
+import hvd_acp
+from hvd_acp import lanes
+from hvd_acp.codecs import Int8PQCodec, PQCodec
+from hvd_acp.codecs.int8 import column_steps
+from hvd_acp.comm import LocalCommunicator
+from hvd_acp.fusion import plan_buckets
+from hvd_acp.state import CompressionState
+from tests.hvdrun import horovodrun, rank_lines
+
+
+# ------------------------------------------------------------------ lanes
+@pytest.mark.parametrize("world", [1, 2, 3, 8, 16, 127])
+@pytest.mark.parametrize("numel", [1, 3, 4, 5, 1000])
+def test_a_sum_of_packed_words_holds_the_sums_of_the_levels(world, numel):
+    g = torch.Generator().manual_seed(world * 1000 + numel)
+    top = lanes.levels_per_rank(world)
+    levels = [torch.randint(-top, top + 1, (numel,), generator=g).float() for _ in range(world)]
+    levels[0][:1] = top            # extremes: every rank at +L, then at -L
+    for level in levels[1:]:
+        level[:1] = top
+    words = [lanes.pack(level) for level in levels]
+    assert all(w.dtype == torch.int32 and w.numel() == lanes.words_for(numel + 1) for w in words)
+    total = torch.stack(words).sum(0, dtype=torch.int64)
+    assert total.abs().max() < 2 ** 31                      # no int32 overflow
+    assert torch.equal(lanes.unpack(total.to(torch.int32), numel), sum(levels))
+    # In any order, partial sums included (a ring reduces them in turn).
+    running = torch.zeros_like(words[0])
+    for word in reversed(words):
+        running = running + word
+    assert torch.equal(lanes.unpack(running, numel), sum(levels))
+
+
+def test_a_nan_on_one_rank_makes_the_whole_sum_nan():
+    levels = [torch.zeros(9), torch.ones(9)]
+    levels[1][4] = float("nan")
+    total = lanes.pack(levels[0]) + lanes.pack(levels[1])
+    assert torch.isnan(lanes.unpack(total, 9)).all()
+    assert torch.equal(lanes.unpack(lanes.pack(levels[0]) * 2, 9), torch.zeros(9))
+
+
+def test_quantize_rounds_clips_and_keeps_non_finite_as_nan():
+    values = torch.tensor([0.26, -0.74, 5.0, -5.0, float("inf"), float("nan")])
+    assert torch.equal(lanes.quantize_(values, torch.tensor(0.5), 3)[:4],
+                       torch.tensor([1.0, -1.0, 3.0, -3.0]))
+    assert torch.isnan(values[4:]).all()
+
+
+def test_levels_per_rank():
+    assert [lanes.levels_per_rank(n) for n in (1, 2, 8, 127)] == [127, 63, 15, 1]
+    with pytest.raises(ValueError, match="at most 127 ranks"):
+        lanes.levels_per_rank(128)
+    with pytest.raises(ValueError, match="world_size"):
+        lanes.levels_per_rank(0)
+
+
+# ------------------------------------------------------------------ codec
+def test_column_steps_scale_each_column_with_a_floor():
+    factor = torch.tensor([[1.0, 0.0, -3.0], [-2.0, 0.0, 1.0]])
+    steps = column_steps(factor, headroom=2.0, levels=4)
+    assert torch.equal(steps, torch.tensor([[1.0, 3.0 / 256 * 0.5, 1.5]]))
+    assert (column_steps(torch.zeros(3, 2), 2.0, 4) > 0).all()
+
+
+def _state(world=2):
+    settings = hvd_acp.Settings(matrix_rank=3, int8_factors=True, step_ahead=0).resolve()
+    state = CompressionState(settings, world_size=world)
+    state.add("w", (40, 30), torch.float32, torch.device("cpu"))
+    return state
+
+
+def test_the_first_compressed_step_sends_floats_then_8_bit_levels():
+    state = _state(world=8)
+    assert isinstance(state.codec, PQCodec) and not state.codec.lanes
+    state.step_count = 1
+    assert isinstance(state.codec, Int8PQCodec) and state.codec.levels == 15
+    bucket, = plan_buckets(list(state.layouts.values()), state.codec, 10 ** 9)
+    assert bucket.lanes
+
+
+def test_what_the_levels_leave_out_stays_in_the_residual():
+    # One rank: A = (what the dequantized levels carry) + E after the step, exactly.
+    state = _state(world=1)
+    state.step_count = 1
+    tensor = state.tensors["w"]
+    tensor.p.normal_()
+    tensor.q.normal_()
+    grad = torch.randn(40, 30)
+    codec = state.codec
+    basis = state.bases(["w"])["w"]
+    out = torch.empty(70, 3)
+    before = tensor.error.clone()
+    state.encode_("w", grad, out, codec, basis=basis)
+    assert torch.equal(out, out.round()) and out.abs().max() <= codec.levels
+    averaged = out.clone()
+    target = torch.empty(40, 30)
+    tensor.decode_(codec, averaged, basis, target)
+    assert torch.allclose(grad + before, target + tensor.error, atol=1e-5)
+    assert tensor.error.norm() > 0
+
+
+def test_settings_errors():
+    with pytest.raises(ValueError, match="needs both_factors"):
+        hvd_acp.Settings(int8_factors=True, both_factors=False)
+    with pytest.raises(ValueError, match="fixed matrix_rank"):
+        hvd_acp.Settings(int8_factors=True, matrix_rank="auto")
+    with pytest.raises(TypeError, match="int8_factors"):
+        hvd_acp.Settings(int8_factors=1)
+    with pytest.raises(ValueError, match="Power-SGD"):
+        hvd_acp.Settings(int8_factors=True).resolve(factors_per_step=2)
+    with pytest.raises(NotImplementedError, match="DDP hook"):
+        hvd_acp.ddp.ACPState(int8_factors=True)
+    assert hvd_acp.Settings(int8_factors=True).resolve().both_factors
+
+
+def test_one_process_trains_and_sends_a_byte_per_factor_element():
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    opt = hvd_acp.DistributedOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2),
+                                       named_parameters=net.named_parameters(),
+                                       communicator=LocalCommunicator(), int8_factors=True,
+                                       matrix_rank=2)
+    losses = []
+    for _ in range(30):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    assert losses[-1] < 0.7 * losses[0]
+    factors = sum((lay.n + lay.m) * lay.r for lay in opt.reducer.layouts.values()
+                  if lay.compressed)
+    before = opt.comm_stats.bytes_sent
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(net(x), y).backward()
+    opt.step()
+    others = sum(lay.numel for lay in opt.reducer.layouts.values() if not lay.compressed)
+    assert opt.comm_stats.bytes_sent - before == 4 * lanes.words_for(factors + 1) + 4 * others
+
+
+# ------------------------------------------------------- several processes
+@pytest.mark.horovod
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("np", [2, 4, 8])
+def test_the_ranks_levels_add_up_exactly_and_replicas_stay_identical(np):
+    result = horovodrun("int8_cases.py", "sums", np=np, timeout=240)
+    assert sorted(int(r) for r in rank_lines(result.stdout, "OK sums")) == list(range(np))
+
+
+@pytest.mark.horovod
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("np", [2, 4])
+def test_a_checkpoint_resumes_exactly(np):
+    result = horovodrun("int8_cases.py", "resume", np=np, timeout=240)
+    assert sorted(int(r) for r in rank_lines(result.stdout, "OK resume")) == list(range(np))
