@@ -81,6 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--both-factors", choices=("on", "off"), default=None,
                         help="acp: both factors every step (on) or P and Q in turn (off); "
                              "default: the library's (on for adaptive optimizers)")
+    parser.add_argument("--int8-factors", action="store_true",
+                        help="acp: the factors as 8-bit levels on the wire (int8_factors=True: "
+                             "half of fp16's bytes)")
     parser.add_argument("--update", choices=("adamw", "sign"), default="adamw",
                         help="sign: the matrices step by the sign of their averaged gradient "
                              "(the DeMo-style update), the 1-D tensors by AdamW "
@@ -261,7 +264,8 @@ def main(argv=None) -> dict:
     # The swap. hvd_acp's compressors take these settings (None: the library's default).
     acp_args = dict(matrix_rank=args.matrix_rank, warmup_steps=args.warmup_steps,
                     seed=args.seed, step_ahead=args.step_ahead,
-                    both_factors=None if args.both_factors is None else args.both_factors == "on")
+                    both_factors=None if args.both_factors is None else args.both_factors == "on",
+                    int8_factors=args.int8_factors or None)
     if args.optimizer == "ssgd":
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     elif args.optimizer == "ssgd-fp16":

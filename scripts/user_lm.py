@@ -73,6 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--both-factors", choices=("on", "off"), default=None,
                         help="acp: both factors every step (on) or P and Q in turn (off); "
                              "default: the library's (on for adaptive optimizers)")
+    parser.add_argument("--int8-factors", action="store_true",
+                        help="acp: the factors as 8-bit levels on the wire (int8_factors=True)")
     parser.add_argument("--diloco-h", type=int, default=None,
                         help="diloco: inner steps between outer steps (default: the library's)")
     parser.add_argument("--diloco-outer-lr", type=float, default=None)
@@ -206,6 +208,8 @@ def main(argv=None) -> dict:
             else hvd.Compression.none
     if args.both_factors is not None:
         extra["both_factors"] = args.both_factors == "on"
+    if args.int8_factors:
+        extra["int8_factors"] = True
     if args.optimizer == "tsr":
         # TSR takes --fp16-wire as its own setting, none of the compressors' others.
         compression = extra.pop("compression", None)

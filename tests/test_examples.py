@@ -195,6 +195,9 @@ def test_the_examples_pass_each_method_its_own_flags(example, script):
             parse_args(["--optimizer", optimizer, "--warmup-steps", "3"])
         with pytest.raises(SystemExit, match="only apply to --optimizer acp or powersgd"):
             parse_args(["--optimizer", optimizer, "--step-ahead", "0"])
+        if script == "train_lm.py":
+            with pytest.raises(SystemExit, match="only apply to --optimizer acp or powersgd"):
+                parse_args(["--optimizer", optimizer, "--int8-factors"])
 
 
 def test_the_ddp_example_passes_each_hook_its_own_flags(example):
