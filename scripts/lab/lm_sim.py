@@ -4,6 +4,12 @@
   {"core_both": K}  a step of both factors (as "tangent"), then K - 1 core steps
   {"sa_v2": 1}      step-ahead under AdamW as the library computes it: v' = b2 v + (1 - b2) E^2
   {"tangent": 1, "ef_local": 1}  both factors with the local residual (the library's default)
+  {"int8": kappa}   with "tangent": each worker's factors as integer levels in [-L, L],
+                    L = 127 // n, on per-column steps kappa * max |last average's column| / L
+                    (the library's int8_factors, kappa 2), a byte an element; the residual keeps
+                    what rounding and clipping leave out; the first step sends floats
+  --method tsr      the TSR-style baseline (run_tsr: core all-reduce, sketched refresh, Adam in
+                    the core)
 Screened (seed 0, 4 workers, 3 layers, batch 16, 300 steps, AdamW lr 1e-2, S-SGD's best of
 6e-3 / 1e-2 / 1.5e-2; bytes as a share of S-SGD's fp32 with fp16 on the wire):
   python scripts/lab/lm_sim.py --seeds 0 --method acp --rank 32 --lr 1e-2 \
@@ -243,6 +249,29 @@ class Compressor:
                 self.E = [e * o["ef_decay"] for e in self.E]
             self.step += 1
             return G.reshape(shape), fl
+        if o.get("tangent") and o.get("int8"):
+            # both factors, each worker's quantized to int8 on a scale every worker knows (the
+            # last step's averaged factors' column max x kappa, over 127 // n levels so that the
+            # sum cannot overflow), one byte an element; the residual keeps what was clipped
+            fl = (self.rows + self.cols) * self.r
+            Qh, Ph = orth(self.Q), orth(self.P)
+            Ploc = [s @ Qh for s in S]
+            Qloc = [s.t() @ Ph for s in S]
+            if self.step > 0:
+                L = 127 // self.n
+                kappa = float(o["int8"])
+                dp = (kappa * self.P.abs().amax(0) / L).clamp_min(1e-30)
+                dq = (kappa * self.Q.abs().amax(0) / L).clamp_min(1e-30)
+                Ploc = [(x / dp).round().clamp(-L, L) * dp for x in Ploc]
+                Qloc = [(x / dq).round().clamp(-L, L) * dq for x in Qloc]
+                fl = fl / 2
+            P, Qn = sum(Ploc) / self.n, sum(Qloc) / self.n
+            Gs = Ph @ Qn.t() + P @ Qh.t() - Ph @ (Ph.t() @ P) @ Qh.t()
+            self.P, self.Q = P, Qn
+            self.E = [a - (Ph @ ql.t() + pl @ Qh.t() - Ph @ (Ph.t() @ pl) @ Qh.t())
+                      for a, pl, ql in zip(A, Ploc, Qloc)]
+            self.step += 1
+            return Gs.reshape(shape), fl
         if o.get("tangent"):   # both factors against the old bases, one all-reduce
             fl = (self.rows + self.cols) * self.r
             Qh, Ph = orth(self.Q), orth(self.P)
@@ -452,11 +481,115 @@ def run_demo(args, seed, train, val):
     return evaluate(model, args, val), sent_floats / total, {}
 
 
+def run_tsr(args, seed, train, val):
+    """TSR-style (core all-reduce, periodic sketched refresh, Adam in the core): every 2-D tensor
+    n x m keeps orthonormal bases U (n x r), V (m x r); each step the workers' cores U^T G_i V
+    (r x r) are averaged and Adam (the run's betas, eps) steps in the core: W -= lr * scale *
+    U (Mh / (sqrt(Sh) + eps)) V^T after W *= 1 - lr * wd. Every K steps (step 0 included) the
+    same all-reduce carries the sketches G_i Omega (n x r) and G_i^T Psi (m x r) (shared Gaussian
+    draws); U, V <- qr of their averages, the core moments rotated into the new bases
+    (M <- R1 M R2, S <- R1^2 S R2^2). Step 0 sends only the sketches. 1-D tensors, and tensors
+    whose core and sketches would not be smaller: exact average, AdamW. Clipping (clip) on the
+    norm of the averaged cores and 1-D gradients.
+    {"warm": 1}: the sketches on the current bases (G V, G^T U: a subspace iteration warm-started
+    from the last refresh) instead of fresh Gaussian draws.
+    --opts {"K": 10, "scale": 1, "rank_of": {"tok": r, ...}, "K_of": {"tok": K, ...}}"""
+    torch.manual_seed(seed)
+    opts = json.loads(args.opts) if args.opts else {}
+    model = GPT(args.seq, args.d, args.layers, args.heads)
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
+    K0, scale = int(opts.get("K", 10)), float(opts.get("scale", 1.0))
+    b1, b2, eps = 0.9, args.beta2, opts.get("adam_eps", 1e-8)
+    st = {}
+    for j, (nm, p) in enumerate(named):
+        if p.dim() < 2:
+            continue
+        n, m = p.shape[0], p.numel() // p.shape[0]
+        c = cls_of(nm)
+        r = min(opts.get("rank_of", {}).get(c, args.rank), n, m)
+        K = int(opts.get("K_of", {}).get(c, K0))
+        if r * r + (n + m) * r / K >= n * m:
+            continue
+        st[j] = dict(n=n, m=m, r=r, K=K, U=None, V=None, M=torch.zeros(r, r), S=torch.zeros(r, r), t=0)
+    exact = [j for j in range(len(params)) if j not in st]
+    opt1 = make_adamw([params[j] for j in exact], args, opts)
+    base1 = [g["lr"] for g in opt1.param_groups]
+    lr_at = lr_sched(args)
+    gens = [torch.Generator().manual_seed(1000 * seed + w) for w in range(args.n)]
+    high = len(train) - args.seq - 1
+    total = sum(p.numel() for p in params)
+    floats = 0.0
+    for step in range(args.steps):
+        f = lr_at(step)
+        grads = [[] for _ in params]
+        for w in range(args.n):
+            x, y = get_batch(train, args, gens[w], high)
+            model.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
+            loss.backward()
+            for j, p in enumerate(params):
+                grads[j].append(p.grad.detach().clone())
+        if not math.isfinite(float(loss.detach())):
+            return float("nan"), floats / max(1, step) / total, {}
+        with torch.no_grad():
+            cores, sketches = {}, {}
+            for j, s in st.items():
+                G = [g.reshape(s["n"], s["m"]) for g in grads[j]]
+                if s["U"] is not None:
+                    cores[j] = sum(s["U"].t() @ g @ s["V"] for g in G) / args.n
+                    floats += s["r"] * s["r"]
+                if step % s["K"] == 0:
+                    gg = torch.Generator().manual_seed(7919 * step + j)
+                    Om = torch.randn(s["m"], s["r"], generator=gg)
+                    Ps = torch.randn(s["n"], s["r"], generator=gg)
+                    if opts.get("warm") and s["U"] is not None:   # subspace iteration
+                        Om, Ps = s["V"], s["U"]
+                    Gm = sum(G) / args.n
+                    sketches[j] = (orth(Gm @ Om), orth(Gm.t() @ Ps))
+                    floats += (s["n"] + s["m"]) * s["r"]
+            for j in exact:
+                params[j].grad = sum(grads[j]) / args.n
+                floats += params[j].numel()
+            sq = sum(float(c.pow(2).sum()) for c in cores.values())
+            sq += sum(float(params[j].grad.pow(2).sum()) for j in exact)
+            coef = min(1.0, args.clip / (math.sqrt(sq) + 1e-6))
+            for j in exact:
+                params[j].grad.mul_(coef)
+            lr = args.lr * f
+            for j, C in cores.items():
+                s, p = st[j], params[j]
+                C = C * coef
+                s["t"] += 1
+                s["M"].mul_(b1).add_(C, alpha=1 - b1)
+                s["S"].mul_(b2).addcmul_(C, C, value=1 - b2)
+                Mh = s["M"] / (1 - b1 ** s["t"])
+                Sh = s["S"] / (1 - b2 ** s["t"])
+                upd = s["U"] @ (Mh / (Sh.sqrt() + eps)) @ s["V"].t()
+                p.mul_(1 - lr * args.wd)
+                p.sub_((lr * scale * upd).reshape(p.shape))
+            for j, (U, V) in sketches.items():
+                s = st[j]
+                if s["U"] is not None:
+                    R1, R2 = U.t() @ s["U"], s["V"].t() @ V
+                    s["M"] = R1 @ s["M"] @ R2
+                    s["S"] = (R1 * R1) @ s["S"] @ (R2 * R2)
+                s["U"], s["V"] = U, V
+            for j in st:
+                params[j].grad = None
+        for g, b in zip(opt1.param_groups, base1):
+            g["lr"] = b * f
+        opt1.step()
+    return evaluate(model, args, val), floats / args.steps / total, {}
+
+
 def run(args, seed, train, val):
     if args.method == "diloco":
         return run_diloco(args, seed, train, val)
     if args.method == "demo":
         return run_demo(args, seed, train, val)
+    if args.method == "tsr":
+        return run_tsr(args, seed, train, val)
     torch.manual_seed(seed)
     opts = json.loads(args.opts) if args.opts else {}
     model = GPT(args.seq, args.d, args.layers, args.heads)
