@@ -96,10 +96,6 @@ class ACPState:
                  named_parameters: Optional[Iterable[Tuple[str, Tensor]]] = None,
                  optimizer: Optional[torch.optim.Optimizer] = None, **named_settings) -> None:
         self.settings = Settings.of(settings, **named_settings)
-        if self.settings.int8_factors:
-            raise NotImplementedError(
-                "int8_factors is not in the DDP hook yet: its buckets mix factors and whole "
-                "gradients; use hvd_acp.DistributedOptimizer, or fp16_wire")
         self.process_group = process_group
         self._buckets = BucketReducer(process_group)
         self.optimizer: Optional[torch.optim.Optimizer] = None
@@ -122,7 +118,9 @@ class ACPState:
         if self._compression is None:
             # The defaults decided here, once: with the optimizer if attached.
             self.settings = self.settings.resolve(self.optimizer)
-            self._compression = CompressionState(self.settings)
+            world_size = (dist.get_world_size(self.process_group) if dist.is_initialized()
+                          else 1)
+            self._compression = CompressionState(self.settings, world_size=world_size)
             for name, param in self._params.items():
                 self._compression.add(name, param.shape, param.dtype, param.device)
         return self._compression

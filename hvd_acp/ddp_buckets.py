@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import lanes
 from .agreement import agree, describe_differences
 from .comm import CommStats, gather_objects
 from .fusion import one_bucket
@@ -82,7 +83,10 @@ class BucketReducer:
             lambda: [one_bucket([state.layouts[n] for n in names], codec,
                                 f"bucket.{bucket.index()}")], buffer.device)
         members = plan.members[0]
-        compressed = [n for n in names if n in state.tensors] if codec.compressed else []
+        if plan.buckets[0].lanes_numel:            # the slots in their own order
+            grad_of = dict(zip(names, grads))
+            grads = [grad_of[name] for name, _ in members]
+        compressed = [n for n, _ in members if n in state.tensors] if codec.compressed else []
         bases = state.bases(compressed, codec)
         # Each residual right after its projection, while A is in the cache,
         # but the last one's after the launch, which it would delay.
@@ -93,12 +97,7 @@ class BucketReducer:
         self._spent(time.perf_counter() - started)
 
         payload = plan.buffers[0]
-        sent = plan.fp16_copy(0) if fp16_wire and payload.dtype != torch.float16 else payload
-        with self._lock:
-            self.comm_stats.allreduces += 1
-            self.comm_stats.bytes_sent += sent.numel() * sent.element_size()
-            self.comm_stats.bytes_received += sent.numel() * sent.element_size()
-        future = dist.all_reduce(sent, group=self.process_group, async_op=True).get_future()
+        future, unpack = self._launch(payload, plan, fp16_wire)
         if owed is not None:
             # Before the callback is attached, which may then touch E.
             started = time.perf_counter()
@@ -110,9 +109,7 @@ class BucketReducer:
 
         def finish(fut: torch.futures.Future) -> Tensor:
             started = time.perf_counter()
-            averaged = fut.value()[0]
-            averaged = (averaged if averaged is payload
-                        else payload.copy_(averaged)).div_(world_size)
+            averaged = unpack(fut).div_(world_size)
             state.decode_(codec, averaged, members, grads, bases, step=iteration)
             if last:
                 state.end_step(iteration)
@@ -120,6 +117,39 @@ class BucketReducer:
             return buffer
 
         return future.then(finish)
+
+    def _launch(self, payload: Tensor, plan, fp16_wire: bool):
+        """Start the payload's all-reduce(s): the levels at its start
+        (``lanes_numel``) as int32 words of 8-bit lanes, the rest as it is
+        (float16 with ``fp16_wire``). Returns the future of their sums and
+        the function that writes them back into ``payload``."""
+        split = plan.buckets[0].lanes_numel
+        floats = payload[split:]
+        sent = []
+        if split:
+            sent.append(lanes.pack(payload[:split]))
+        if floats.numel():
+            fp16 = fp16_wire and payload.dtype != torch.float16
+            sent.append((plan.fp16_copy(0)[split:] if not split else floats.to(torch.float16))
+                        if fp16 else floats)
+        with self._lock:
+            for tensor in sent:
+                self.comm_stats.allreduces += 1
+                self.comm_stats.bytes_sent += tensor.numel() * tensor.element_size()
+                self.comm_stats.bytes_received += tensor.numel() * tensor.element_size()
+        futures = [dist.all_reduce(tensor, group=self.process_group, async_op=True).get_future()
+                   for tensor in sent]
+
+        def unpack(fut) -> Tensor:
+            results = [f.value()[0] for f in fut.value()] if split else [fut.value()[0]]
+            if split:
+                payload[:split].copy_(lanes.unpack(results.pop(0), split, payload.dtype))
+            if results and results[0] is not floats:
+                floats.copy_(results[0])
+            return payload
+
+        future = torch.futures.collect_all(futures) if split else futures[0]
+        return future, unpack
 
     def _spent(self, seconds: float) -> None:
         with self._lock:

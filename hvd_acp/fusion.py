@@ -105,6 +105,8 @@ class Bucket:
         lanes: whether the buffer holds integer levels that travel in 8-bit
             lanes (:mod:`hvd_acp.lanes`): the factors of a codec with
             ``lanes``, never mixed with whole gradients.
+        lanes_numel: in a DDP bucket (:func:`one_bucket`), the elements at
+            its start that are levels in lanes (the rest are floats).
     """
 
     name: str
@@ -112,6 +114,7 @@ class Bucket:
     slots: Tuple[Slot, ...]
     numel: int
     lanes: bool = False
+    lanes_numel: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -253,12 +256,17 @@ def _in_lanes(lay: TensorLayout, codec) -> bool:
 
 def one_bucket(layouts: Sequence[TensorLayout], codec, name: str) -> Bucket:
     """All of ``layouts`` in one buffer, in their order, in the dtype they
-    promote to (a DDP bucket's payload)."""
+    promote to (a DDP bucket's payload). For a codec with ``lanes`` the
+    factors come first, in their order, then the whole gradients:
+    :attr:`Bucket.lanes_numel` elements of levels, then floats."""
     codec = as_codec(codec)
     dtype = functools.reduce(torch.promote_types, (lay.dtype for lay in layouts))
+    ordered = sorted(layouts, key=lambda lay: not _in_lanes(lay, codec))   # stable
     slots, offset = [], 0
-    for lay in layouts:
+    for lay in ordered:
         numel = lay.payload_numel(codec)
         slots.append(Slot(lay.name, offset, numel, lay.payload_shape(codec)))
         offset += numel
-    return Bucket(name=name, dtype=dtype, slots=tuple(slots), numel=offset)
+    lanes_numel = sum(lay.payload_numel(codec) for lay in layouts if _in_lanes(lay, codec))
+    return Bucket(name=name, dtype=dtype, slots=tuple(slots), numel=offset,
+                  lanes_numel=lanes_numel)

@@ -177,7 +177,8 @@ class Settings:
        (:mod:`hvd_acp.codecs.int8`). A rank has ``127 // N`` levels either
        side of zero for N ranks (15 at 8 ranks), up to 127 ranks. The first
        compressed step sends its factors as floats, to learn the scales.
-       Not with ``matrix_rank="auto"``, nor in the DDP hook yet.
+       Not with ``matrix_rank="auto"`` or Power-SGD. In the DDP hook a
+       bucket's factors and its other tensors go in two all-reduces.
     """
 
     matrix_rank: Union[int, float, str, AutoRank, None] = None

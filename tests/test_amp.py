@@ -200,8 +200,9 @@ def test_horovod_front_ends_under_a_grad_scaler(front_end, case, np):
 @pytest.mark.ddp
 @pytest.mark.parametrize("np", [2, 4])
 @pytest.mark.parametrize("case", ["constant", "dynamic"])
-def test_the_ddp_hook_under_a_grad_scaler(case, np):
-    output = torchrun("amp_cases.py", "ddp", case, np=np, timeout=300)
+@pytest.mark.parametrize("front_end", ["ddp", "ddp-int8"])
+def test_the_ddp_hook_under_a_grad_scaler(front_end, case, np):
+    output = torchrun("amp_cases.py", front_end, case, np=np, timeout=300)
     assert _ok(output, case) == list(range(np)), output[-3000:]
 
 

@@ -9,7 +9,7 @@ from hvd_acp.codecs.int8 import column_steps
 from hvd_acp.comm import LocalCommunicator
 from hvd_acp.fusion import plan_buckets
 from hvd_acp.state import CompressionState
-from tests.hvdrun import horovodrun, rank_lines
+from tests.hvdrun import horovodrun, rank_lines, torchrun
 
 
 # ------------------------------------------------------------------ lanes
@@ -111,8 +111,6 @@ def test_settings_errors():
         hvd_acp.Settings(int8_factors=1)
     with pytest.raises(ValueError, match="Power-SGD"):
         hvd_acp.Settings(int8_factors=True).resolve(factors_per_step=2)
-    with pytest.raises(NotImplementedError, match="DDP hook"):
-        hvd_acp.ddp.ACPState(int8_factors=True)
     assert hvd_acp.Settings(int8_factors=True).resolve().both_factors
 
 
@@ -157,3 +155,12 @@ def test_the_ranks_levels_add_up_exactly_and_replicas_stay_identical(np):
 def test_a_checkpoint_resumes_exactly(np):
     result = horovodrun("int8_cases.py", "resume", np=np, timeout=240)
     assert sorted(int(r) for r in rank_lines(result.stdout, "OK resume")) == list(range(np))
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("np", [2, 4])
+def test_the_ddp_hook_sends_the_factors_in_lanes_and_the_rest_as_floats(np):
+    output = torchrun("int8_ddp.py", np=np, timeout=240)
+    assert sorted(int(r) for r in rank_lines(output, "OK ddp-sums")) == list(range(np)), \
+        output[-3000:]

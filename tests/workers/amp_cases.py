@@ -2,7 +2,7 @@
 ``horovodrun --gloo`` (the Horovod front ends) or ``torchrun`` (the DDP hook).
 
 Usage: ``amp_cases.py FRONT_END CASE`` with FRONT_END ``acp``, ``acp-int8``
-(``int8_factors=True``), ``powersgd``,
+or ``ddp-int8`` (``int8_factors=True``), ``powersgd``,
 ``diloco``, ``demo``, ``tsr`` (horovodrun) or ``ddp`` (torchrun). Each rank prints
 ``OK <case> <rank>`` when every assertion held.
 
@@ -27,6 +27,9 @@ from worker_io import report
 
 torch.set_num_threads(1)
 FRONT_END, CASE = sys.argv[1], sys.argv[2]
+#: ``acp-int8`` and ``ddp-int8``: the front end with ``int8_factors=True``.
+INT8 = FRONT_END.endswith("-int8")
+FRONT_END = FRONT_END.removesuffix("-int8")
 TEACHER = torch.randn(12, 5, generator=torch.Generator().manual_seed(99))
 
 if FRONT_END == "ddp":
@@ -88,6 +91,8 @@ class Run:
 
     def __init__(self, optimizer, scaler, **settings):
         module = mlp()
+        if INT8:
+            settings["int8_factors"] = True
         self.scaler = scaler
         if FRONT_END == "ddp":
             self.model = DDP(module)
@@ -107,8 +112,6 @@ class Run:
             self.model = module
             cls = (hvd_acp.PowerSGDOptimizer if FRONT_END == "powersgd"
                    else hvd_acp.DistributedOptimizer)
-            if FRONT_END == "acp-int8":
-                settings["int8_factors"] = True
             if "fp16_wire" in settings:
                 wire = settings.pop("fp16_wire")
                 settings["compression"] = hvd.Compression.fp16 if wire else hvd.Compression.none
