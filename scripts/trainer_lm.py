@@ -51,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="register_acp(fp16_wire=...); default: the library's")
     parser.add_argument("--both-factors", choices=("on", "off"), default=None,
                         help="register_acp(both_factors=...); default: the library's")
+    parser.add_argument("--int8-factors", action="store_true",
+                        help="register_acp(int8_factors=True): the factors as 8-bit levels")
     parser.add_argument("--warmup-steps", type=int, default=None,
                         help="register_acp(warmup_steps=...): exact steps first; default: "
                              "the library's")
@@ -142,7 +144,8 @@ def main(argv=None) -> None:
     settings = {"matrix_rank": args.matrix_rank, "step_ahead": args.step_ahead,
                 "warmup_steps": args.warmup_steps,
                 "fp16_wire": None if args.fp16_wire is None else args.fp16_wire == "on",
-                "both_factors": None if args.both_factors is None else args.both_factors == "on"}
+                "both_factors": None if args.both_factors is None else args.both_factors == "on",
+                "int8_factors": args.int8_factors or None}
     acp = register_acp(trainer, **settings) if args.method == "acp" else None
     start = time.time()
     result = trainer.train()
