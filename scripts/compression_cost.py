@@ -56,6 +56,10 @@ def main(argv=None) -> None:
                         help="the wrapped optimizer: SGD with momentum 0.9, or AdamW")
     parser.add_argument("--both-factors", choices=("on", "off"), default=None,
                         help="send both factors every step (default: the library's choice)")
+    parser.add_argument("--int8-factors", action="store_true",
+                        help="int8_factors=True: the factors as 8-bit levels (the quantization "
+                             "is in the compression's time; packing the words is the "
+                             "communicator's, not timed here)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--optimizer", choices=("acp", "powersgd"), default="acp",
                         help="hvd_acp.DistributedOptimizer (ACP-SGD) or "
@@ -67,6 +71,8 @@ def main(argv=None) -> None:
     settings = {} if rank is None else {"matrix_rank": rank}
     if args.both_factors is not None:
         settings["both_factors"] = args.both_factors == "on"
+    if args.int8_factors:
+        settings["int8_factors"] = True
 
     def inner_optimizer(params):
         if adaptive:
@@ -113,7 +119,8 @@ def main(argv=None) -> None:
     resolved = opt.settings
     print(f"{hvd_acp.__file__}: {wrapper.__name__} over {type(inner).__name__}, {args.model}, "
           f"batch {args.batch_size}, matrix_rank {resolved.matrix_rank}"
-          f"{', both factors' if resolved.both_factors else ''}: "
+          f"{', both factors' if resolved.both_factors else ''}"
+          f"{', int8 factors' if resolved.int8_factors else ''}: "
           f"compression {statistics.median(compression) * 1e3:.1f} ms per step "
           f"(min {min(compression) * 1e3:.1f}), step-ahead shift on and off "
           f"{statistics.median(shifting) * 1e3:.1f} ms, operator calls per step "

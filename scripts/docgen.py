@@ -115,6 +115,7 @@ def _registry():
     import amp_convergence
     import bench_doc
     import cnn_report
+    import lm_int8_table
     import lm_report
     import planner_report
 
@@ -132,6 +133,8 @@ def _registry():
         Block("docs/convergence.md", "autorank", "bench-results/autorank/",
               cnn_report.autorank_tables),
         Block("docs/convergence.md", "lm-adam", "bench-results/lm_adam/", lm_report.section),
+        Block("docs/convergence.md", "lm-int8", "bench-results/lm_int8/",
+              lm_int8_table.section),
         Block("docs/convergence.md", "amp", "bench-results/amp/", amp_convergence.section),
         *planner_report.blocks(),
     )
@@ -141,6 +144,8 @@ def _registry():
         Page("bench-results/lm_adam/results.md", "bench-results/lm_adam/",
              lm_report.results_page),
         Page("bench-results/amp/results.md", "bench-results/amp/", amp_convergence.results_page),
+        Page("bench-results/lm_int8/results.md", "bench-results/lm_int8/",
+             lm_int8_table.results_page),
     )
     figures = (*bench_doc.figures(RESULTS, IMG), *lm_report.figures(IMG))
     return blocks, pages, figures
