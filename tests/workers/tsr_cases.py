@@ -20,7 +20,6 @@ that differ at the first step raise on every rank; each rank prints
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import sys
 
@@ -32,53 +31,16 @@ import hvd_acp
 from hvd_acp import methods
 from hvd_acp.baselines import maths
 from worker_io import report
+# The model, its batches and the replicas' check of the other baselines' cases.
+from baseline_cases import LR, adamw, digest, loss_of, make_model, same_everywhere
 
 torch.set_num_threads(1)
 
 STEPS = 8
-LR = 0.01
 #: Refreshes at 0, 3, 6; the embedding's at 0, 2, 4, 6.
 SETTINGS = {"core_rank": 2, "refresh_period": 3, "embedding_core_rank": 3,
             "embedding_refresh_period": 2}
 
-
-class Net(nn.Module):
-    """An embedding, two matrices, biases, a norm (none of those without ``bias``)."""
-
-    def __init__(self, bias: bool = True) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(12, 8)
-        self.hidden = nn.Linear(8, 20, bias=bias)
-        self.norm = nn.LayerNorm(20, elementwise_affine=bias)
-        self.out = nn.Linear(20, 12, bias=bias)
-
-    def forward(self, tokens):
-        return self.out(torch.relu(self.norm(self.hidden(self.embed(tokens)))))
-
-
-def make_model(bias: bool = True, seed: int = 0) -> Net:
-    torch.manual_seed(seed)
-    return Net(bias)
-
-
-def loss_of(model: nn.Module, rank: int, step: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(1000 * rank + step)
-    tokens = torch.randint(0, 12, (16,), generator=gen)
-    targets = torch.randint(0, 12, (16,), generator=gen)
-    return nn.functional.cross_entropy(model(tokens), targets)
-
-
-def adamw(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-
-
-def digest(model: nn.Module) -> str:
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
-
-
-def same_everywhere(model: nn.Module) -> bool:
-    return len(set(hvd.allgather_object(digest(model)))) == 1
 
 
 def build(model: nn.Module, **settings):
