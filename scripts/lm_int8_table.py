@@ -30,7 +30,11 @@ TITLES = {"train_lm_np4": "examples/train_lm.py, 4 ranks (1,000 steps)",
           "user_lm_np8": "scripts/user_lm.py, 8 ranks (400 steps)",
           "trainer_lm_np2": "scripts/trainer_lm.py: the Trainer's GPT-2, 2 ranks (300 steps)"}
 NAME = re.compile(r"(?P<setting>.+)_lr(?P<rate>[0-9.e-]+)_s(?P<seed>\d+)\.json")
-LABELS = {"acp_int8_share_0_2": "ACP-SGD, int8 factors, share 0.2",
+LABELS = {"acp_int8_share_0_2":
+          "ACP-SGD, int8 factors, share 0.2 (headroom 2, the library's)",
+          "acp_int8_k4_share_0_2": "ACP-SGD, int8 factors, share 0.2, headroom 4",
+          "acp_int8_k8_share_0_2": "ACP-SGD, int8 factors, share 0.2, headroom 8",
+          "acp_fp16_share_0_2": "ACP-SGD, fp16 factors, share 0.2 (the control)",
           "acp_int8_share_0_25": "ACP-SGD, int8 factors, share 0.25",
           "acp_int8_share_0_06": "ACP-SGD, int8 factors, share 0.06",
           "tsr_r32_k10_scale8": "TSR-style, r 32, K 10, scale 8",

@@ -1,0 +1,23 @@
+"""Run a training script with ``int8_factors``' headroom changed: a study, not a setting.
+
+``Int8PQCodec`` scales each factor column by ``headroom`` times its last
+average (hvd_acp/codecs/int8.py); the library fixes it. This runs SCRIPT
+with the codec's default headroom replaced, under any launcher::
+
+    HEADROOM=4 .venv/bin/torchrun --nproc-per-node 2 scripts/lab/int8_headroom.py \\
+        scripts/trainer_lm.py --method acp --int8-factors --matrix-rank 0.2 --seed 1 ...
+    HEADROOM=4 .venv/bin/horovodrun -np 4 -H localhost:4 --gloo .venv/bin/python \\
+        scripts/lab/int8_headroom.py examples/train_lm.py --optimizer acp --int8-factors ...
+"""
+import os
+import runpy
+import sys
+from pathlib import Path
+
+import hvd_acp.codecs.int8 as int8
+
+script = Path(sys.argv[1]).resolve()
+int8.Int8PQCodec.__init__.__defaults__ = (float(os.environ["HEADROOM"]),)
+sys.path.insert(0, str(script.parent))
+sys.argv = [str(script), *sys.argv[2:]]
+runpy.run_path(str(script), run_name="__main__")
