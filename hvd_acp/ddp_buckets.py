@@ -124,14 +124,15 @@ class BucketReducer:
         (float16 with ``fp16_wire``). Returns the future of their sums and
         the function that writes them back into ``payload``."""
         split = plan.buckets[0].lanes_numel
-        floats = payload[split:]
+        floats = payload[split:] if split else payload
         sent = []
         if split:
             sent.append(lanes.pack(payload[:split]))
-        if floats.numel():
-            fp16 = fp16_wire and payload.dtype != torch.float16
-            sent.append((plan.fp16_copy(0)[split:] if not split else floats.to(torch.float16))
-                        if fp16 else floats)
+        if floats.numel() and fp16_wire and payload.dtype != torch.float16:
+            # The plan's reused copy of a whole payload; a new one of a part.
+            sent.append(floats.to(torch.float16) if split else plan.fp16_copy(0))
+        elif floats.numel():
+            sent.append(floats)
         with self._lock:
             for tensor in sent:
                 self.comm_stats.allreduces += 1
@@ -144,8 +145,8 @@ class BucketReducer:
             results = [f.value()[0] for f in fut.value()] if split else [fut.value()[0]]
             if split:
                 payload[:split].copy_(lanes.unpack(results.pop(0), split, payload.dtype))
-            if results and results[0] is not floats:
-                floats.copy_(results[0])
+            if results and results[0].data_ptr() != floats.data_ptr():
+                floats.copy_(results[0])                # from the fp16 copy
             return payload
 
         future = torch.futures.collect_all(futures) if split else futures[0]
