@@ -172,7 +172,7 @@ class ACPReducer:
                 first, self._on_first_round = self._on_first_round, None
                 first(self)
             self.register_hooks()
-            codec = self.state.begin_step()
+            codec = self.state.begin_step(self.comm.size())
             active = tuple(n for n, p in self.params.items() if p.requires_grad)
             self._round = Round(codec, self._plan(codec, active))
             self._prepare_bases(codec)

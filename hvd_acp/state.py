@@ -293,6 +293,8 @@ class CompressionState:
         #: scheme, Power-SGD's, gives its own).
         self._cycle: Tuple[Codec, ...] = (tuple(cycle) if cycle
                                           else settings.codecs(world_size))
+        #: The ranks the settings' codecs were made for (None: a front end's own cycle).
+        self._world_size: Optional[int] = None if cycle else world_size
         #: The codecs of the first compressed steps, before the cycle
         #: (:meth:`.Settings.lead_codecs`).
         self._lead: Tuple[Codec, ...] = () if cycle else settings.lead_codecs()
@@ -371,9 +373,16 @@ class CompressionState:
         since = step - self.warmup_steps
         return self.auto is not None and since >= 0 and self.auto.is_probe(since)
 
-    def begin_step(self) -> Codec:
+    def begin_step(self, world_size: Optional[int] = None) -> Codec:
         """A front end starts a step (its first slot or bucket): the records of
-        the last one end; returns the step's codec."""
+        the last one end; returns the step's codec. ``world_size``: the ranks
+        averaging now, where they can change between steps (elastic Horovod):
+        the settings' codecs are made again for another number (the levels
+        of ``int8_factors`` depend on it)."""
+        if (world_size is not None and self._world_size is not None
+                and world_size != self._world_size):
+            self._cycle = self.settings.codecs(world_size)
+            self._world_size = world_size
         self.rescaling.clear()
         self._bases, self._bases_codec = {}, None
         return self.codec

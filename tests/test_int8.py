@@ -81,6 +81,16 @@ def test_the_first_compressed_step_sends_floats_then_8_bit_levels():
     assert bucket.lanes
 
 
+def test_a_new_world_size_makes_the_levels_again():
+    # Elastic Horovod changes the ranks between steps: 63 levels for 2, 15 for 8
+    # (at 63 levels eight ranks' digits would overflow their sum).
+    state = _state(world=2)
+    state.step_count = 1
+    assert state.begin_step(2).levels == 63
+    assert state.begin_step(8).levels == 15 and state.codec.levels == 15
+    assert state.begin_step().levels == 15
+
+
 def test_what_the_levels_leave_out_stays_in_the_residual():
     # One rank: A = (what the dequantized levels carry) + E after the step, exactly.
     state = _state(world=1)
