@@ -98,6 +98,26 @@ BASELINE_FLAGS = {
 }
 
 
+#: ``--optimizer`` of each baseline -> its class in ``hvd_acp.baselines``.
+BASELINES = {"diloco": "DiLoCoOptimizer", "demo": "DeMoOptimizer", "tsr": "TSROptimizer"}
+
+
+def build_baseline(args: argparse.Namespace, optimizer: torch.optim.Optimizer,
+                   model: nn.Module):
+    """``--optimizer diloco``, ``demo`` or ``tsr`` (:data:`BASELINES`) around
+    ``optimizer``, with the keywords its flags set (:data:`BASELINE_FLAGS`;
+    ``None``: the library's default); TSR also takes ``--seed`` and the
+    model's ``nn.Embedding`` weights as its embeddings."""
+    import hvd_acp.baselines as baselines
+    settings = {keyword: getattr(args, keyword)
+                for method, keyword, _, _ in BASELINE_FLAGS.values() if method == args.optimizer}
+    if args.optimizer == "tsr":
+        settings.update(seed=args.seed,
+                        embedding_names=baselines.embedding_parameter_names(model))
+    return getattr(baselines, BASELINES[args.optimizer])(
+        optimizer, named_parameters=model.named_parameters(), **settings)
+
+
 def add_baseline_args(parser: argparse.ArgumentParser) -> None:
     """The flags of ``--optimizer diloco``, ``demo`` and ``tsr``
     (:data:`BASELINE_FLAGS`), each stored under the keyword it sets

@@ -35,9 +35,9 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 import hvd_acp
-from common import (ByteMeter, DigitsCNN, DigitsResNet, add_baseline_args, add_training_args,
-                    allreduce_sums, check_method_flags, finish_run, load_digits_split,
-                    settings_of)
+from common import (BASELINES, ByteMeter, DigitsCNN, DigitsResNet, add_baseline_args,
+                    add_training_args, allreduce_sums, build_baseline, check_method_flags,
+                    finish_run, load_digits_split, settings_of)
 
 #: ``--optimizer``: Horovod's S-SGD, hvd_acp's compressors, the baselines.
 OPTIMIZERS = ("ssgd", "ssgd-fp16", "powersgd", "acp", "acp-fp16", "acp-nooverlap",
@@ -149,21 +149,8 @@ def main(argv=None) -> dict:
         optimizer = hvd_acp.DistributedOptimizer(
             optimizer, named_parameters=model.named_parameters(), fusion_threshold_bytes=0,
             **acp_args)
-    elif args.optimizer == "diloco":
-        optimizer = hvd_acp.baselines.DiLoCoOptimizer(
-            optimizer, named_parameters=model.named_parameters(), inner_steps=args.inner_steps,
-            outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
-    elif args.optimizer == "demo":
-        optimizer = hvd_acp.baselines.DeMoOptimizer(
-            optimizer, named_parameters=model.named_parameters(), top_k=args.top_k,
-            chunk_size=args.chunk_size, momentum_decay=args.momentum_decay)
-    elif args.optimizer == "tsr":
-        optimizer = hvd_acp.baselines.TSROptimizer(
-            optimizer, named_parameters=model.named_parameters(), core_rank=args.core_rank,
-            refresh_period=args.refresh_period, embedding_core_rank=args.embedding_core_rank,
-            embedding_refresh_period=args.embedding_refresh_period, scale=args.scale,
-            seed=args.seed,
-            embedding_names=hvd_acp.baselines.embedding_parameter_names(model))
+    elif args.optimizer in BASELINES:           # DiLoCo, DeMo-style, TSR-style
+        optimizer = build_baseline(args, optimizer, model)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     meter = ByteMeter(optimizer, model, fp16=args.optimizer == "ssgd-fp16")

@@ -43,8 +43,9 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 import hvd_acp
-from common import (ByteMeter, add_baseline_args, add_training_args, allreduce_sums,
-                    check_method_flags, finish_run, settings_of)
+from common import (BASELINES, ByteMeter, add_baseline_args, add_training_args,
+                    allreduce_sums, build_baseline, check_method_flags, finish_run,
+                    settings_of)
 
 VOCAB_SIZE = 256
 VALIDATION_BUCKET = 10   # one file in ten (by path hash) is validation
@@ -288,21 +289,8 @@ def main(argv=None) -> dict:
         optimizer = hvd_acp.DistributedOptimizer(
             optimizer, named_parameters=model.named_parameters(), fusion_threshold_bytes=0,
             **acp_args)
-    elif args.optimizer == "diloco":
-        optimizer = hvd_acp.baselines.DiLoCoOptimizer(
-            optimizer, named_parameters=model.named_parameters(), inner_steps=args.inner_steps,
-            outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
-    elif args.optimizer == "demo":
-        optimizer = hvd_acp.baselines.DeMoOptimizer(
-            optimizer, named_parameters=model.named_parameters(), top_k=args.top_k,
-            chunk_size=args.chunk_size, momentum_decay=args.momentum_decay)
-    elif args.optimizer == "tsr":
-        optimizer = hvd_acp.baselines.TSROptimizer(
-            optimizer, named_parameters=model.named_parameters(), core_rank=args.core_rank,
-            refresh_period=args.refresh_period, embedding_core_rank=args.embedding_core_rank,
-            embedding_refresh_period=args.embedding_refresh_period, scale=args.scale,
-            seed=args.seed,
-            embedding_names=hvd_acp.baselines.embedding_parameter_names(model))
+    elif args.optimizer in BASELINES:           # DiLoCo, DeMo-style, TSR-style
+        optimizer = build_baseline(args, optimizer, model)
     total_steps = args.epochs * args.steps_per_epoch
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, args.lr_warmup_steps, total_steps))
