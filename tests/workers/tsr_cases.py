@@ -32,7 +32,8 @@ from hvd_acp import methods
 from hvd_acp.baselines import maths
 from worker_io import report
 # The model, its batches and the replicas' check of the other baselines' cases.
-from baseline_cases import LR, adamw, digest, loss_of, make_model, same_everywhere
+import baseline_cases
+from baseline_cases import LR, adamw, digest, loss_of, make_model, same_everywhere, train_step
 
 torch.set_num_threads(1)
 
@@ -45,20 +46,7 @@ SETTINGS = {"core_rank": 2, "refresh_period": 3, "embedding_core_rank": 3,
 
 def build(model: nn.Module, **settings):
     """The registry's TSR (which names the model's embedding) around AdamW."""
-    optimizer = methods.get("tsr").build(model, adamw(model), **dict(SETTINGS, **settings)
-                                         ).optimizer
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    return optimizer
-
-
-def train_step(model: nn.Module, optimizer, rank: int, step: int) -> None:
-    optimizer.zero_grad()
-    loss_of(model, rank, step).backward()
-    optimizer.synchronize()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    with optimizer.skip_synchronize():
-        optimizer.step()
+    return baseline_cases.build("tsr", model, **dict(SETTINGS, **settings))
 
 
 # --------------------------------------------------------------- simulation
