@@ -262,11 +262,11 @@ def one_bucket(layouts: Sequence[TensorLayout], codec, name: str) -> Bucket:
     codec = as_codec(codec)
     dtype = functools.reduce(torch.promote_types, (lay.dtype for lay in layouts))
     ordered = sorted(layouts, key=lambda lay: not _in_lanes(lay, codec))   # stable
-    slots, offset = [], 0
+    slots, offset, lanes_numel = [], 0, 0
     for lay in ordered:
         numel = lay.payload_numel(codec)
         slots.append(Slot(lay.name, offset, numel, lay.payload_shape(codec)))
         offset += numel
-    lanes_numel = sum(lay.payload_numel(codec) for lay in layouts if _in_lanes(lay, codec))
+        lanes_numel += numel if _in_lanes(lay, codec) else 0
     return Bucket(name=name, dtype=dtype, slots=tuple(slots), numel=offset,
                   lanes_numel=lanes_numel)
