@@ -134,7 +134,7 @@ def check_method_flags(args: argparse.Namespace, compressors: Sequence[str]) -> 
 
     A baseline's flags (:data:`BASELINE_FLAGS`) apply to that baseline only;
     ``--warmup-steps``, ``--step-ahead``, ``--both-factors``,
-    ``--int8-factors`` and ``--diagnostics`` (where the script has them) to ``compressors``, the
+    ``--int8-factors``, ``--budget`` and ``--diagnostics`` (where the script has them) to ``compressors``, the
     methods of hvd_acp that compress. ``--matrix-rank`` is left to the
     methods that compress nothing, which ignore it.
 
@@ -150,9 +150,10 @@ def check_method_flags(args: argparse.Namespace, compressors: Sequence[str]) -> 
             getattr(args, "warmup_steps", 0) or getattr(args, "step_ahead", None) is not None
             or getattr(args, "diagnostics", None)
             or getattr(args, "both_factors", None) is not None
-            or getattr(args, "int8_factors", False)):
-        raise SystemExit("--warmup-steps, --step-ahead, --both-factors, --int8-factors and "
-                         "--diagnostics only apply to --optimizer acp or powersgd")
+            or getattr(args, "int8_factors", False)
+            or getattr(args, "budget", None) is not None):
+        raise SystemExit("--warmup-steps, --step-ahead, --both-factors, --int8-factors, "
+                         "--budget and --diagnostics only apply to --optimizer acp or powersgd")
 
 
 # ------------------------------------------------------------------- metrics

@@ -85,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--int8-factors", action="store_true",
                         help="acp: the factors as 8-bit levels on the wire (int8_factors=True: "
                              "half of fp16's bytes)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="acp: the share of S-SGD's bytes a step may send (budget=...: "
+                             "the library picks the rank and the wire; e.g. 0.077 for 1/13)")
     parser.add_argument("--update", choices=("adamw", "sign"), default="adamw",
                         help="sign: the matrices step by the sign of their averaged gradient "
                              "(the DeMo-style update), the 1-D tensors by AdamW "
@@ -266,7 +269,7 @@ def main(argv=None) -> dict:
     acp_args = dict(matrix_rank=args.matrix_rank, warmup_steps=args.warmup_steps,
                     seed=args.seed, step_ahead=args.step_ahead,
                     both_factors=None if args.both_factors is None else args.both_factors == "on",
-                    int8_factors=args.int8_factors or None)
+                    int8_factors=args.int8_factors or None, budget=args.budget)
     if args.optimizer == "ssgd":
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     elif args.optimizer == "ssgd-fp16":

@@ -117,7 +117,9 @@ class ACPState:
     def compression(self) -> CompressionState:
         if self._compression is None:
             # The defaults decided here, once: with the optimizer if attached.
-            self.settings = self.settings.resolve(self.optimizer)
+            shapes = ([(name, p.shape, p.dtype) for name, p in self._params.items()]
+                      if self._complete else None)
+            self.settings = self.settings.resolve(self.optimizer, shapes=shapes)
             world_size = (dist.get_world_size(self.process_group) if dist.is_initialized()
                           else 1)
             self._compression = CompressionState(self.settings, world_size=world_size)

@@ -17,7 +17,7 @@ from .codecs import as_codec
 from .compression import factor_rank, matrix_shape, should_compress
 
 __all__ = ["DEFAULT_FUSION_THRESHOLD_BYTES", "TensorLayout", "Slot", "Bucket", "make_layouts",
-           "one_bucket", "plan_buckets", "rank_limit"]
+           "one_bucket", "plan_buckets", "rank_limit", "sent_bytes", "dense_bytes"]
 
 #: The S-SGD fusion threshold the Horovod front end plans its buffers from.
 DEFAULT_FUSION_THRESHOLD_BYTES = 25 * 1024 * 1024
@@ -152,6 +152,18 @@ def make_layouts(named_shapes: Sequence[Tuple[str, Tuple[int, ...], torch.dtype]
             name=name, shape=shape, dtype=payload_dtype(dtype), grad_dtype=dtype,
             n=n, m=m, r=rank if compressed else 0, compressed=compressed))
     return layouts
+
+
+def sent_bytes(layouts: Sequence[TensorLayout], cycle: Sequence, fp16_wire: bool) -> float:
+    """Bytes one rank sends per step, averaged over a cycle of codecs."""
+    return sum(sum(lay.step_numel(codec) * lay.wire_itemsize(codec, fp16_wire)
+                   for codec in cycle) / len(cycle)
+               for lay in layouts)
+
+
+def dense_bytes(layouts: Sequence[TensorLayout]) -> int:
+    """Bytes S-SGD sends per step for these tensors, in their own dtypes."""
+    return sum(lay.numel * lay.grad_dtype.itemsize for lay in layouts)
 
 
 def plan_buckets(layouts: Sequence[TensorLayout], codec,

@@ -130,12 +130,13 @@ class DistributedOptimizer(WrappedOptimizer):
         try:
             if communicator is None:
                 HorovodCommunicator.check_arguments(op, gradient_predivide_factor, compression)
+            named = named_parameters_of(optimizer, named_parameters)
             settings = Settings.of(
                 settings, fp16_wire=_fp16_wire(compression, named_settings.pop("fp16_wire", None)),
                 **named_settings,
-            ).resolve(optimizer, factors_per_step=self.factors_per_step)
+            ).resolve(optimizer, factors_per_step=self.factors_per_step,
+                      shapes=[(n, p.shape, p.dtype) for n, p in named if _can_have_grad(p)])
             args.check()
-            named = named_parameters_of(optimizer, named_parameters)
             fusion_groups = args.fusion_groups(named)
         except (ValueError, TypeError, NotImplementedError) as exc:
             error, settings = exc, None

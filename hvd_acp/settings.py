@@ -49,6 +49,8 @@ DEFAULTS = {
 #: two all-reduces, gets half of it: the same bytes.
 IN_TURN_SHARE = 0.5
 COMMON_DEFAULTS = {"warmup_steps": 0, "seed": 0, "step_ahead": 0.2, "int8_factors": False}
+#: The settings a ``budget`` chooses (:mod:`hvd_acp.budget`).
+BUDGET_PICKS = ("matrix_rank", "fp16_wire", "both_factors", "int8_factors")
 
 def is_int(value) -> bool:
     """An integer that is not a bool."""
@@ -179,6 +181,15 @@ class Settings:
        compressed step sends its factors as floats, to learn the scales.
        Not with ``matrix_rank="auto"`` or Power-SGD. In the DDP hook a
        bucket's factors and its other tensors go in two all-reduces.
+    9. ``budget`` (default None): instead of 1-3 and 8, the share of S-SGD's
+       bytes a step may send, in (0, 1] (``0.077``: 1/13). ACP-SGD then
+       picks, for the model's shapes, the largest ``matrix_rank`` share (at
+       most the default 0.3) whose step fits, with both factors and fp16 on
+       the wire, the factors in 8-bit lanes below share 0.2
+       (:mod:`hvd_acp.budget`), and logs what it chose. For Adam-family
+       optimizers (not SGD-like ones, nor Power-SGD); a budget below what
+       rank 1 sends raises ``ValueError``. docs/guide.md, "A byte budget",
+       says what each budget cost in accuracy.
     """
 
     matrix_rank: Union[int, float, str, AutoRank, None] = None
@@ -189,12 +200,21 @@ class Settings:
     fp16_wire: Optional[bool] = None
     both_factors: Optional[bool] = None
     int8_factors: Optional[bool] = None
+    budget: Optional[float] = None
 
     def __post_init__(self) -> None:
         """Raise ``ValueError``/``TypeError`` naming the first bad setting
         given (the defaults pass): every front end checks here, before any
         collective."""
-        given = self.resolve()
+        if self.budget is not None:
+            if not is_number(self.budget) or not 0 < self.budget <= 1:
+                raise ValueError(f"budget must be a share of S-SGD's bytes in (0, 1], got "
+                                 f"{self.budget!r}")
+            chosen = [name for name in BUDGET_PICKS if getattr(self, name) is not None]
+            if chosen:
+                raise ValueError(f"budget picks {', '.join(BUDGET_PICKS)}; leave "
+                                 f"{', '.join(chosen)} unset (or give no budget)")
+        given = (self if self.budget is None else dataclasses.replace(self, budget=None)).resolve()
         parse_matrix_rank(given.matrix_rank)
         rate = given.min_compression_rate
         if not isinstance(rate, numbers.Real) or isinstance(rate, bool) or not rate >= 0:
@@ -242,7 +262,7 @@ class Settings:
         return dataclasses.replace(settings, **given) if given else settings
 
     def resolve(self, optimizer: Optional[torch.optim.Optimizer] = None, *,
-                factors_per_step: int = 1) -> "Settings":
+                factors_per_step: int = 1, shapes=None) -> "Settings":
         """These settings with every one left ``None`` given its default.
 
         The one place hvd_acp decides a default: by the family of
@@ -254,7 +274,13 @@ class Settings:
         with both factors, :data:`IN_TURN_SHARE` with P and Q in turn, and
         Power-SGD's half of that (the bytes of P and Q in turn).
         A default decided for a given optimizer is logged at INFO.
+
+        A ``budget`` needs ``shapes``, the trained parameters as (name,
+        shape, dtype) triples: it is fitted to them (:mod:`hvd_acp.budget`),
+        logged at INFO, and cleared from the settings returned.
         """
+        if self.budget is not None:
+            return self._fit_budget(optimizer, factors_per_step, shapes)
         family = optimizer_family(optimizer)
         defaults = dict(DEFAULTS[family or "sgd"], **COMMON_DEFAULTS)
         if factors_per_step > 1:
@@ -281,6 +307,28 @@ class Settings:
                                   else f"{key}={value!r}"
                                   for key, value in resolved.as_kwargs().items()))
         return resolved
+
+    def _fit_budget(self, optimizer, factors_per_step: int, shapes) -> "Settings":
+        from .budget import fit_budget
+        if factors_per_step > 1:
+            raise ValueError("budget is ACP-SGD's; Power-SGD takes matrix_rank")
+        family = optimizer_family(optimizer)
+        if family == "sgd":
+            raise ValueError(f"budget picks settings for Adam-family optimizers; with "
+                             f"{type(optimizer).__name__} set matrix_rank (its default, rank 4, "
+                             f"sends a few % of S-SGD's bytes)")
+        if shapes is None:
+            raise ValueError("budget needs the model's parameters: pass named_parameters (or "
+                             "the optimizer) to the front end")
+        adaptive = DEFAULTS["adaptive"]
+        rate = (adaptive["min_compression_rate"] if self.min_compression_rate is None
+                else self.min_compression_rate)
+        fitted, sent = fit_budget(dataclasses.replace(self, min_compression_rate=rate),
+                                  list(shapes), adaptive["matrix_rank"])
+        logger.info("hvd_acp: budget %r of S-SGD's bytes: matrix_rank=%r, int8_factors=%r, "
+                    "both_factors=True, fp16_wire=True; a compressed step sends %.4f",
+                    self.budget, fitted.matrix_rank, fitted.int8_factors, sent)
+        return fitted.resolve(optimizer)
 
     def as_kwargs(self) -> dict:
         """The settings by name, as every front end takes them."""

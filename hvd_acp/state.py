@@ -50,7 +50,7 @@ from torch import Tensor
 from .autorank import choose_rank, energy_curve, parse_matrix_rank, spectral_factors
 from .codecs import DENSE, Codec, as_codec
 from .compression import compute_dtype, init_factor, orthonormalize_
-from .fusion import TensorLayout, make_layouts, rank_limit
+from .fusion import TensorLayout, dense_bytes, make_layouts, rank_limit, sent_bytes
 from .rescaling import GradientRescaling
 from .settings import Settings
 
@@ -608,17 +608,15 @@ class CompressionState:
         """One line for the log: what is compressed at which ranks, and the
         share of S-SGD's bytes a step sends (over the scheme's cycle)."""
         cycle = self._cycle
-        sent_bytes = sum(sum(lay.step_numel(codec) * lay.wire_itemsize(codec, fp16_wire)
-                             for codec in cycle) / len(cycle)
-                         for lay in self.layouts.values())
-        dense = sum(lay.numel * lay.grad_dtype.itemsize for lay in self.layouts.values())
+        sent = sent_bytes(self.layouts.values(), cycle, fp16_wire)
+        dense = dense_bytes(self.layouts.values())
         wire = [", fp16 on the wire"] if fp16_wire else []
         if any(codec.lanes for codec in cycle):
             wire = [", factors in 8-bit lanes" + (", the rest in fp16" if fp16_wire else "")]
         return (f"compressed: {describe_ranks(self.ranks())}, "
                 f"{len(self.layouts) - len(self.tensors)} other tensors averaged whole; "
-                f"a step sends {sent_bytes / dense:.1%} of "
-                f"S-SGD's bytes ({sent_bytes:,.0f} of {dense:,} bytes{''.join(wire)})")
+                f"a step sends {sent / dense:.1%} of "
+                f"S-SGD's bytes ({sent:,.0f} of {dense:,} bytes{''.join(wire)})")
 
     def compressed_elements(self) -> int:
         """Elements one rank sends in a compressed step (the most of the scheme's codecs)."""

@@ -37,6 +37,8 @@ LABELS = {"acp_int8_share_0_2":
           "acp_fp16_share_0_2": "ACP-SGD, fp16 factors, share 0.2 (the control)",
           "acp_int8_share_0_25": "ACP-SGD, int8 factors, share 0.25",
           "acp_int8_share_0_06": "ACP-SGD, int8 factors, share 0.06",
+          "acp_budget_1_40": "ACP-SGD, budget=0.025 (1/40)",
+          "acp_budget_1_13": "ACP-SGD, budget=0.077 (1/13)",
           "tsr_r32_k10_scale8": "TSR-style, r 32, K 10, scale 8",
           "tsr_r32_k10_scale1": "TSR-style, r 32, K 10, scale 1"}
 

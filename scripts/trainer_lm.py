@@ -51,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="register_acp(fp16_wire=...); default: the library's")
     parser.add_argument("--both-factors", choices=("on", "off"), default=None,
                         help="register_acp(both_factors=...); default: the library's")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="register_acp(budget=...): the share of S-SGD's bytes a step may send")
     parser.add_argument("--int8-factors", action="store_true",
                         help="register_acp(int8_factors=True): the factors as 8-bit levels")
     parser.add_argument("--warmup-steps", type=int, default=None,
@@ -145,7 +147,7 @@ def main(argv=None) -> None:
                 "warmup_steps": args.warmup_steps,
                 "fp16_wire": None if args.fp16_wire is None else args.fp16_wire == "on",
                 "both_factors": None if args.both_factors is None else args.both_factors == "on",
-                "int8_factors": args.int8_factors or None}
+                "int8_factors": args.int8_factors or None, "budget": args.budget}
     acp = register_acp(trainer, **settings) if args.method == "acp" else None
     start = time.time()
     result = trainer.train()
@@ -154,8 +156,9 @@ def main(argv=None) -> None:
     if trainer.is_world_process_zero():
         dense = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         sent = acp.state.comm_stats.bytes_sent / result.global_step if acp else dense
-        summary = {"method": args.method, "matrix_rank": args.matrix_rank, "lr": args.lr,
-                   "seed": args.seed, "world_size": world, "steps": result.global_step,
+        summary = {"method": args.method, "matrix_rank": args.matrix_rank,
+                   "budget": args.budget, "lr": args.lr, "seed": args.seed, "world_size": world,
+                   "steps": result.global_step,
                    "val_loss": final, "bytes_per_step": sent,
                    "ssgd_bytes_per_step": dense, "wall_s": wall,
                    "ranks": acp.state.compression.ranks() if acp else None,

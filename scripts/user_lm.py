@@ -73,6 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--both-factors", choices=("on", "off"), default=None,
                         help="acp: both factors every step (on) or P and Q in turn (off); "
                              "default: the library's (on for adaptive optimizers)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="acp: the share of S-SGD's bytes a step may send (budget=...)")
     parser.add_argument("--int8-factors", action="store_true",
                         help="acp: the factors as 8-bit levels on the wire (int8_factors=True)")
     parser.add_argument("--diloco-h", type=int, default=None,
@@ -210,6 +212,8 @@ def main(argv=None) -> dict:
         extra["both_factors"] = args.both_factors == "on"
     if args.int8_factors:
         extra["int8_factors"] = True
+    if args.budget is not None:
+        extra["budget"] = args.budget
     if args.optimizer == "tsr":
         # TSR takes --fp16-wire as its own setting, none of the compressors' others.
         compression = extra.pop("compression", None)
@@ -294,7 +298,7 @@ def main(argv=None) -> dict:
     sent = stats.bytes_sent if stats is not None else dense * args.steps
     received = stats.bytes_received if stats is not None else dense * args.steps
     summary = {"optimizer": args.optimizer, "optim": args.optim, "lr": args.lr,
-               "matrix_rank": args.matrix_rank, "auto": auto,
+               "matrix_rank": args.matrix_rank, "budget": args.budget, "auto": auto,
                "step_ahead": args.step_ahead, "seed": args.seed, "ranks": hvd.size(),
                "steps": args.steps, "val_loss": val_loss, "bytes_per_step": sent / args.steps,
                "bytes_received_per_step": received / args.steps,

@@ -8,6 +8,9 @@
   are the lanes' words (one byte per factor element, one flag digit, padded
   to whole int32 words) plus the other tensors in fp16; the replicas stay
   bit for bit identical.
+- ``budget``: ``sums`` with ``budget=0.1`` instead of the settings: the
+  budget picks the 8-bit factors at a share whose steps send no more than a
+  tenth of S-SGD's bytes (up to the word of the flag digit).
 - ``resume``: a checkpoint saved after 5 steps and loaded into a new model
   and optimizer continues exactly as the run that did not stop.
 """
@@ -41,10 +44,10 @@ def model():
                                torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 6))
 
 
-def make(net):
+def make(net, **settings):
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     return hvd_acp.DistributedOptimizer(opt, named_parameters=net.named_parameters(),
-                                        int8_factors=True, matrix_rank=4)
+                                        **(settings or dict(int8_factors=True, matrix_rank=4)))
 
 
 def flat(params):
@@ -56,9 +59,10 @@ def same_everywhere(tensor):
         assert torch.equal(other, tensor), "replicas diverged"
 
 
-def case_sums():
+def case_sums(budget=None):
     net = model()
-    opt = make(net)
+    opt = make(net, **({"budget": budget} if budget else {}))
+    assert opt.settings.int8_factors, opt.settings
     names = dict(net.named_parameters())
     for step in range(8):
         x, y = batch(step)
@@ -91,8 +95,10 @@ def case_sums():
         else:
             # One lanes buffer here (a small model): its words, then the rest in fp16.
             assert sent == 4 * lanes.words_for(factors + 1) + 2 * others, (step, sent, factors)
+            dense = sum(4 * lay.numel for lay in layouts.values())
+            assert not budget or sent <= budget * dense + 4, (sent, budget * dense)
         same_everywhere(flat(net.parameters()))
-    report(f"OK sums {RANK}")
+    report(f"OK {'budget' if budget else 'sums'} {RANK}")
 
 
 def case_resume():
@@ -122,4 +128,4 @@ def case_resume():
     report(f"OK resume {RANK}")
 
 
-{"sums": case_sums, "resume": case_resume}[CASE]()
+{"sums": case_sums, "budget": lambda: case_sums(budget=0.1), "resume": case_resume}[CASE]()

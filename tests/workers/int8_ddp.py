@@ -4,8 +4,12 @@ Every step after the first (floats) the ranks' payloads add up exactly: for
 every compressed tensor, ``sum_i (M_i + E_i before - E_i after) = N G``,
 against each rank's own gradient computed apart; the bytes sent are the
 lanes' words for the factors plus the other tensors in fp16; the replicas
-stay bit for bit identical.
+stay bit for bit identical. With the argument ``budget`` the state takes
+``budget=0.1`` instead of the settings, and a step sends no more than that
+share of S-SGD's bytes (up to the word of the flag digit).
 """
+import sys
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -33,8 +37,10 @@ net = torch.nn.Sequential(torch.nn.Linear(24, 32), torch.nn.Tanh(), torch.nn.Lin
                           torch.nn.Tanh(), torch.nn.Linear(32, 6))
 model = DDP(net)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+BUDGET = 0.1 if sys.argv[1:] == ["budget"] else None
 state = hvd_acp.ddp.ACPState(named_parameters=net.named_parameters(), optimizer=opt,
-                             matrix_rank=4, int8_factors=True)
+                             **({"budget": BUDGET} if BUDGET
+                                else dict(matrix_rank=4, int8_factors=True)))
 model.register_comm_hook(state, hvd_acp.ddp.acp_hook)
 names = dict(net.named_parameters())
 for step in range(8):
@@ -61,10 +67,13 @@ for step in range(8):
         sent = state.comm_stats.bytes_sent - sent_before
         # One DDP bucket here (a small model): its factors' words, its rest in fp16.
         assert sent == 4 * lanes.words_for(factors + 1) + 2 * others, (step, sent)
+        dense = sum(4 * lay.numel for lay in layouts.values())
+        assert not BUDGET or sent <= BUDGET * dense + 4, (sent, BUDGET * dense)
     weights = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     everyone = [torch.empty_like(weights) for _ in range(SIZE)]
     dist.all_gather(everyone, weights)
     assert all(torch.equal(w, weights) for w in everyone), "replicas diverged"
+assert state.settings.int8_factors, state.settings
 report(f"OK ddp-sums {RANK}")
 state.close()
 leave_process_group()
