@@ -1,4 +1,4 @@
-"""What ACP-SGD's compression costs per step in one process: seconds and operator calls.
+"""What ACP-SGD's compression costs per step in one process: seconds, operator calls, FLOPs.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/compression_cost.py --model resnet50 --batch-size 4
     OMP_NUM_THREADS=1 .venv/bin/python scripts/compression_cost.py --model bert-base \
@@ -11,7 +11,10 @@ maths in the hooks and in step(): projection, residual, orthonormalization,
 reconstruction) and of the step-ahead shift put on and taken off, and the
 operator calls (``aten::`` events of torch.profiler) per step over plain
 torch SGD's, and the kernels among them (views, metadata and allocations
-left out). To compare two versions on the same host, put a folder holding
+left out), and the floating-point operations per step over plain torch's
+(``torch.utils.flop_counter.FlopCounterMode``: matrix products and
+convolutions; the QR of the orthonormalization is not counted by it). To
+compare two versions on the same host, put a folder holding
 the other version's ``hvd_acp`` package (and nothing else) on PYTHONPATH.
 """
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Dict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils.flop_counter import FlopCounterMode
 
 # Appended, not inserted: an hvd_acp on PYTHONPATH (the version to compare)
 # comes first; the counting is this checkout's.
@@ -45,6 +49,14 @@ def operator_calls(step, steps: int = 2) -> Dict[str, float]:
     return {key: value / steps for key, value in count_calls(prof.events()).items()}
 
 
+def flops(step, steps: int = 2) -> float:
+    """Floating-point operations per step that FlopCounterMode counts."""
+    with FlopCounterMode(display=False) as counter:
+        for _ in range(steps):
+            step()
+    return counter.get_total_flops() / steps
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="resnet50", choices=MODELS)
@@ -60,6 +72,9 @@ def main(argv=None) -> None:
                         help="int8_factors=True: the factors as 8-bit levels (the quantization "
                              "is in the compression's time; packing the words is the "
                              "communicator's, not timed here)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="budget=...: the share of S-SGD's bytes a step may send (the "
+                             "library picks the rank and the wire)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--optimizer", choices=("acp", "powersgd"), default="acp",
                         help="hvd_acp.DistributedOptimizer (ACP-SGD) or "
@@ -73,6 +88,8 @@ def main(argv=None) -> None:
         settings["both_factors"] = args.both_factors == "on"
     if args.int8_factors:
         settings["int8_factors"] = True
+    if args.budget is not None:
+        settings["budget"] = args.budget
 
     def inner_optimizer(params):
         if adaptive:
@@ -89,6 +106,7 @@ def main(argv=None) -> None:
 
     plain_step()
     floor_calls = operator_calls(plain_step)
+    floor_flops = flops(plain_step)
 
     spec = build_model(args.model, args.batch_size)
     inner = inner_optimizer(spec.model.parameters())
@@ -116,6 +134,7 @@ def main(argv=None) -> None:
         shifting.append(time.perf_counter() - start)
         shift.after_step()
     calls = operator_calls(step)
+    extra_flops = flops(step) - floor_flops
     resolved = opt.settings
     print(f"{hvd_acp.__file__}: {wrapper.__name__} over {type(inner).__name__}, {args.model}, "
           f"batch {args.batch_size}, matrix_rank {resolved.matrix_rank}"
@@ -127,7 +146,8 @@ def main(argv=None) -> None:
           f"{calls['ops']:.0f} ({calls['ops'] - floor_calls['ops']:.0f} over the plain step's "
           f"{floor_calls['ops']:.0f}), kernels {calls['kernels']:.0f} "
           f"({calls['kernels'] - floor_calls['kernels']:.0f} over the plain step's "
-          f"{floor_calls['kernels']:.0f})")
+          f"{floor_calls['kernels']:.0f}), GFLOP per step over the plain step's "
+          f"{extra_flops / 1e9:.2f} (the plain step's {floor_flops / 1e9:.2f})")
 
 
 if __name__ == "__main__":

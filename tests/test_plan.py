@@ -501,6 +501,72 @@ def test_both_factors_with_fp16_on_the_wire_by_hand():
     assert fp16["ssgd-fp16"].bytes_per_step == 1e6
 
 
+def test_the_factors_in_8_bit_lanes_by_hand():
+    """int8_factors: the factors' buffer packs its levels into words before
+    the launch (a byte an element and a flag digit on the wire) and reads
+    them back before the reconstruction; a buffer of whole tensors is cast
+    to fp16 as before. In the DDP hook the bucket's factors and its other
+    tensors go in two all-reduces, one after the other."""
+    prof = synthetic([{"name": "w", "bytes": 4e6, "ready_s": 2.0, "compressed": True,
+                       "n": 1000, "m": 1000, "r": 250, "numel": 1e6,
+                       "acp_pq_s": 0.1, "reconstruct_pq_s": 0.05},
+                      {"name": "b", "bytes": 4e5, "ready_s": 2.0}],
+                     buckets={"acp_pq": [{"bytes": 2e6, "members": ["w"], "lanes": True},
+                                         {"bytes": 4e5, "members": ["b"]}],
+                              "psgd_p": [], "psgd_q": []},
+                     ddp=[["w", "b"]])
+    prof.update(scheme="both", fp16_wire=True, int8_factors=True, fp16_cast_s_per_byte=2e-7,
+                lanes_s_per_element=1e-7, orthonormalize_s={"acp_pq": 0.0, "psgd": 0.0})
+    settings = Settings(np=2, network=net(), cycle_time_s=0.0)
+    preds = predict_methods(prof, settings, ["acp", "acp-ddp"])
+    # 5e5 levels: 500,004 bytes in words; the other buffer 4e5 float32 bytes in fp16.
+    assert preds["acp"].bytes_per_step == 500004 + 2e5
+    assert preds["acp-ddp"].bytes_per_step == 500004 + 2e5
+    assert preds["acp-ddp"].allreduces_per_step == 2
+    # forward 1, backward 2, the hook 0.1 and packing 0.05 (5e5 levels), then
+    # the launch: 0.500004 s on the wire, then the other buffer's 0.2 s
+    # (cast in 0.04 meanwhile), while the levels are read back (0.05) and
+    # reconstructed (0.05); its cast back 0.04; the update 0.5.
+    assert preds["acp"].step_s == pytest.approx(
+        1 + 2 + 0.1 + 0.05 + 0.500004 + 0.2 + 0.04 + 0.5)
+    assert preds["acp"].compression_s == pytest.approx(0.1 + 2 * (0.05 + 0.04) + 0.05)
+
+
+def test_profile_model_with_a_budget_plans_the_8_bit_factors():
+    """A budget fitted to the model: the profile records the share and the
+    8-bit factors, plans the lanes buffers as the optimizer does, and the
+    predicted bytes are what the optimizer sends (its lanes words, the rest
+    in fp16), within the budget."""
+    from hvd_acp import DistributedOptimizer, LocalCommunicator
+    from hvd_acp.plan import profile_model
+    torch.manual_seed(0)
+    model = Tiny()
+    batch = (torch.randn(16, 64), torch.randint(0, 10, (16,)))
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    prof = profile_model(model, batch, _tiny_loss, optimizer=adamw, steps=1, repeats=1,
+                         budget=0.1)
+    assert prof["int8_factors"] and prof["budget"] == 0.1 and prof["lanes_s_per_element"] > 0
+    assert any(b.get("lanes") for b in prof["buckets"]["acp_pq"])
+    assert prof["psgd_matrix_rank"] == 0.25          # Power-SGD keeps its defaults
+    opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
+                               named_parameters=model.named_parameters(), budget=0.1,
+                               communicator=LocalCommunicator())
+    assert opt.settings.matrix_rank == prof["matrix_rank"]
+    for _ in range(2):                               # the first step sends floats
+        before = opt.comm_stats.bytes_sent
+        opt.zero_grad()
+        _tiny_loss(model, batch).backward()
+        opt.step()
+    sent = opt.comm_stats.bytes_sent - before
+    # One process sends the whole tensors in float32; Horovod sends them in fp16.
+    whole = sum(4 * p["numel"] for p in prof["params"] if not p["compressed"])
+    pred = predict_methods(prof, Settings(np=2, network=net()), ["acp"])["acp"]
+    assert pred.bytes_per_step == sent - whole / 2
+    assert pred.bytes_per_step <= 0.1 * prof["gradient_bytes"] + 4
+    from hvd_acp.plan.replan import current_plans
+    assert current_plans(json.loads(json.dumps(prof)))["buckets"] == prof["buckets"]
+
+
 def test_the_sgd_validation_runs_replanned_from_their_profiles_are_unchanged(tmp_path):
     """The planner's figures for the eight SGD validation runs, from their
     committed profiles, are the ones docs/planner.md publishes."""
@@ -692,6 +758,18 @@ def test_cli_errors(profile_file, tmp_path, capsys):
               "--out", str(tmp_path)])
     assert exc.value.code == 2
     assert "--intra-bandwidth" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["predict", "--profile", str(profile_file), "--int8-factors", "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "are the profile's settings" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["predict", "--model", "small", "--budget", "2", "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "a share of S-SGD's bytes in (0, 1]" in capsys.readouterr().err
+    # A budget under SGD: the profile's ValueError, on the command line.
+    assert main(["profile", "--model", "small", "--alone", "--budget", "0.1",
+                 "--out", str(tmp_path / "p.json")]) == 2
+    assert "Adam-family" in capsys.readouterr().err
     assert main(["validate", "--bench", str(tmp_path / "missing.json")]) == 2
     assert "not found" in capsys.readouterr().err
 

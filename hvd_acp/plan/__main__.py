@@ -31,6 +31,9 @@ _non_negative_float = number_type(float, lambda v: v >= 0, "a number >= 0")
 
 
 
+_budget = number_type(float, lambda v: 0 < v <= 1, "a share of S-SGD's bytes in (0, 1]")
+
+
 def _link_calibration(parser: argparse.ArgumentParser, what: str) -> None:
     """``--link-calibration``: a file of ``python -m benchmarks calibrate-link``."""
     parser.add_argument("--link-calibration", type=Path, default=None,
@@ -38,6 +41,12 @@ def _link_calibration(parser: argparse.ArgumentParser, what: str) -> None:
 
 def _add_model_args(p: argparse.ArgumentParser, required: bool) -> None:
     add_model_arguments(p, required=required, what=", profiled on this machine")
+    p.add_argument("--int8-factors", action="store_true",
+                   help="ACP-SGD with int8_factors=True: its factors as 8-bit levels (with "
+                        "--optimizer adamw, or a --matrix-rank)")
+    p.add_argument("--budget", type=_budget, default=None,
+                   help="ACP-SGD with budget=...: the share of S-SGD's bytes a step may send, "
+                        "fitted to the model (with --optimizer adamw)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--ranks-per-node", type=positive_int, default=None,
                    help="ranks profiled at once on this node, as the launch will run them "
@@ -164,7 +173,8 @@ def _builtin(args, nps: Optional[List[int]] = None) -> dict:
                            conditions, matrix_rank=args.matrix_rank, device=args.device,
                            image_size=args.image_size, seq_len=args.seq_len, steps=args.steps,
                            warmup=args.warmup, repeats=args.repeats,
-                           optimizer=args.optimizer)
+                           optimizer=args.optimizer, int8_factors=args.int8_factors or None,
+                           budget=args.budget)
 
 
 def _assumed(profile: dict) -> str:
@@ -211,6 +221,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _predict(parser, args, command: str) -> int:
     if (args.profile is None) == (args.model is None):
         parser.error("predict needs exactly one of --profile FILE or --model NAME")
+    if args.profile is not None and (args.int8_factors or args.budget is not None):
+        parser.error("--int8-factors and --budget are the profile's settings: give them to "
+                     "hvd-acp-plan profile (or predict --model)")
     try:
         nps = parse_int_list(args.np, "np")
         bws = parse_bandwidth_list(args.bandwidth)

@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from .conditions import NodeConditions, horovod_launcher, node_conditions
 
@@ -116,9 +116,11 @@ def _tail(path: Path, chars: int = 4000) -> str:
 def profile_on_node(model: str, batch_size: int, conditions: NodeConditions, *,
                     matrix_rank=None, device: str = "cpu", image_size: int = 128,
                     seq_len: int = 64, steps: int = 3, warmup: int = 1, repeats: int = 3,
-                    timeout_s: float = DEFAULT_TIMEOUT_S, optimizer: str = "sgd") -> dict:
+                    timeout_s: float = DEFAULT_TIMEOUT_S, optimizer: str = "sgd",
+                    int8_factors: Optional[bool] = None, budget: Optional[float] = None) -> dict:
     """Profile ``model`` (a built-in name or ``module:function``) as
-    ``conditions`` say the ranks run (see the module docstring)."""
+    ``conditions`` say the ranks run (see the module docstring), with
+    ACP-SGD's ``int8_factors`` and ``budget`` where given."""
     from .profile import profile_builtin
     cond = conditions
     if cond.alone:
@@ -127,13 +129,17 @@ def profile_on_node(model: str, batch_size: int, conditions: NodeConditions, *,
         return profile_builtin(model, batch_size, matrix_rank=matrix_rank, device=device,
                                image_size=image_size, seq_len=seq_len, steps=steps,
                                warmup=warmup, repeats=repeats, conditions=cond.as_dict(),
-                               optimizer=optimizer)
+                               optimizer=optimizer, int8_factors=int8_factors, budget=budget)
     model_args = ["--model", model, "--batch-size", str(batch_size), "--device", device,
                   "--image-size", str(image_size), "--seq-len", str(seq_len),
                   "--steps", str(steps), "--warmup", str(warmup), "--repeats", str(repeats),
                   "--optimizer", optimizer]
     if matrix_rank is not None:
         model_args += ["--matrix-rank", str(matrix_rank)]
+    if int8_factors:
+        model_args += ["--int8-factors"]
+    if budget is not None:
+        model_args += ["--budget", repr(budget)]
     with tempfile.TemporaryDirectory(prefix="hvd-acp-plan-node-") as tmp:
         ranks = _run_ranks(Path(tmp), cond, model_args, timeout_s)
     recorded: Dict = dict(cond.as_dict(), per_rank_step_s=[r["step_s"] for r in ranks],

@@ -42,6 +42,8 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--optimizer", default="sgd")
+    p.add_argument("--int8-factors", action="store_true")
+    p.add_argument("--budget", type=float, default=None)
     return p.parse_args(argv)
 
 
@@ -87,7 +89,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     profile = profile_builtin(args.model, args.batch_size, matrix_rank=matrix_rank,
                               device=device, image_size=args.image_size, seq_len=args.seq_len,
                               steps=args.steps, warmup=args.warmup, repeats=args.repeats,
-                              spec=spec, optimizer=args.optimizer)
+                              spec=spec, optimizer=args.optimizer,
+                              int8_factors=args.int8_factors or None, budget=args.budget)
     result["window"] = [started, time.time()]
     result["step_s"] = profile["forward_s"] + profile["backward_s"] + profile["optimizer_s"]
     if rank == 0:

@@ -8,8 +8,11 @@ Measured in one process, no communication:
   first, so the time is when the kernels are done);
 - the defaults the optimizer's family gives (:meth:`hvd_acp.Settings.resolve`):
   ``optimizer``, ``optimizer_family``, ``scheme`` (P and Q in turn, or both
-  factors every step), ``fp16_wire``, ``matrix_rank``, and Power-SGD's own
-  ``psgd_matrix_rank`` and ``psgd_fp16_wire``;
+  factors every step), ``fp16_wire``, ``int8_factors`` (and the ``budget``
+  they were fitted to, where one was given), ``matrix_rank``, and
+  Power-SGD's own ``psgd_matrix_rank`` and ``psgd_fp16_wire``;
+- with ``int8_factors``, ``lanes_s_per_element``: packing 8-bit levels into
+  int32 words and reading the sums back, per element;
 - per compressed parameter, the per-parameter step every front end runs
   (:class:`hvd_acp.state.CompressedTensor`) timed on a tensor of its shape
   and dtype: in turn, ACP-SGD's P and Q step (``acp_p_s``, ``acp_q_s``:
@@ -53,6 +56,7 @@ import torch
 from torch import nn
 
 from ..autorank import parse_matrix_rank
+from .. import lanes
 from ..codecs import PowerSGDFirst, codec_of
 from ..compression import Phase, compute_dtype, orthonormalize_
 from ..methods.counting import torch_hook_rank
@@ -145,13 +149,15 @@ def _workspace(tensor: CompressedTensor, device: torch.device, gen: torch.Genera
 
 
 def _time_compression(tensor: CompressedTensor, device: torch.device, repeats: int,
-                      gen: torch.Generator, scheme: str = "alternating") -> Dict:
+                      gen: torch.Generator, scheme: str = "alternating",
+                      pq_codec=None) -> Dict:
     """Seconds of ACP-SGD's steps of ``tensor`` on a random gradient, as the
     front ends run them, for the codecs of ``scheme``
     (:data:`hvd_acp.codecs.SCHEMES`): P and Q in turn (``acp_p_s``,
     ``acp_q_s``, their residuals, ``reconstruct_s``) or both factors
-    (``acp_pq_s``, ``acp_pq_residual_s``, ``reconstruct_pq_s``); and the
-    step-ahead shift and restore (``step_ahead_s``)."""
+    (``acp_pq_s``, ``acp_pq_residual_s``, ``reconstruct_pq_s``; with
+    ``pq_codec``, that codec's: the 8-bit one quantizes the factors); and
+    the step-ahead shift and restore (``step_ahead_s``)."""
     lay = tensor.layout
     n, m, r, dtype = lay.n, lay.m, lay.r, lay.dtype
     rand, grad, qh, ph, target = _workspace(tensor, device, gen)
@@ -166,7 +172,7 @@ def _time_compression(tensor: CompressedTensor, device: torch.device, repeats: i
 
     steps = {"step_ahead_s": step_ahead}
     if scheme == "both":
-        pq = codec_of(Phase.PQ)
+        pq = pq_codec or codec_of(Phase.PQ)
         out_pq = torch.empty(n + m, r, dtype=dtype, device=device)
         steps.update({
             "acp_pq_s": lambda: tensor.compress_(pq, grad, (ph, qh), out_pq),
@@ -209,6 +215,17 @@ def _time_powersgd(tensor: CompressedTensor, device: torch.device, repeats: int,
         "psgd_reconstruct_s": lambda: q_step.reconstruct_(tensor, out_q, ph, target),
     }
     return {key: _timed(fn, device, repeats) for key, fn in steps.items()}
+
+
+def _lanes_s_per_element(device: torch.device, repeats: int, numel: int = 1 << 20) -> float:
+    """Seconds per element to pack 8-bit levels into int32 words and read
+    the sums back (:mod:`hvd_acp.lanes`), as ``int8_factors`` does around
+    each all-reduce of its factors."""
+    levels = torch.randint(-15, 16, (numel,), device=device).float()
+
+    def work():
+        lanes.unpack(lanes.pack(levels), numel)
+    return _timed(work, device, repeats) / numel
 
 
 def alone_conditions(device: torch.device) -> dict:
@@ -293,7 +310,8 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
                   steps: int = 3, warmup: int = 1, repeats: int = 3,
                   fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD_BYTES,
                   min_compression_rate: Optional[float] = None, description: str = "",
-                  conditions: Optional[dict] = None) -> dict:
+                  conditions: Optional[dict] = None, int8_factors: Optional[bool] = None,
+                  budget: Optional[float] = None) -> dict:
     """Profile one training step of ``model`` (see the module docstring).
 
     Args:
@@ -319,11 +337,18 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
         conditions: what the measurement ran under, recorded as the
             profile's ``conditions`` (:mod:`.node` sets it for its ranks);
             default: this process alone (:func:`alone_conditions`).
+        int8_factors, budget: ACP-SGD's settings of those names
+            (:class:`hvd_acp.Settings`; a budget is fitted to the model's
+            shapes and needs an adaptive ``optimizer``): the profile times
+            and plans ACP-SGD's step with them (``int8_factors``,
+            ``lanes_s_per_element``, buffers in 8-bit lanes); Power-SGD keeps
+            its own defaults.
 
     Returns:
         The profile, a JSON-serializable dict.
     """
-    given = Settings(matrix_rank=matrix_rank, min_compression_rate=min_compression_rate)
+    given = Settings(matrix_rank=matrix_rank, min_compression_rate=min_compression_rate,
+                     int8_factors=int8_factors, budget=budget)
     for arg, value in (("steps", steps), ("repeats", repeats)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{arg} must be a positive int, got {value!r}")
@@ -342,10 +367,12 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
         raise ValueError("the model has no parameter that requires a gradient")
     if optimizer is None:
         optimizer = torch.optim.SGD([p for _, p in named], lr=1e-3, momentum=0.9)
-    settings = given.resolve(optimizer)
+    shapes = [(n, tuple(p.shape), p.dtype) for n, p in named]
+    settings = given.resolve(optimizer, shapes=shapes)
     # Power-SGD resolves its own defaults (a smaller share under an
     # adaptive optimizer: it sends both factors in two rounds).
-    psgd_settings = given.resolve(optimizer, factors_per_step=2)
+    psgd_settings = Settings(matrix_rank=matrix_rank, min_compression_rate=min_compression_rate
+                             ).resolve(optimizer, factors_per_step=2)
     scheme = settings.scheme
     min_compression_rate = settings.min_compression_rate
     fixed_rank, auto = parse_matrix_rank(settings.matrix_rank)
@@ -354,7 +381,6 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
     timed = time_training_steps(model, batch, loss_fn, optimizer, dev, steps, warmup,
                                 named=named)
     ready = timed["ready"]
-    shapes = [(n, tuple(p.shape), p.dtype) for n, p in named]
     if auto is None:
         layouts = make_layouts(shapes, fixed_rank, min_compression_rate,
                                payload_dtype=compute_dtype)
@@ -368,6 +394,8 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
         psgd_layouts = make_layouts(shapes, psgd_rank, psgd_settings.min_compression_rate,
                                     payload_dtype=compute_dtype)
     optimizer.zero_grad(set_to_none=True)
+    # The 8-bit codec's levels do not change its cost: 2 ranks' here.
+    pq_codec = settings.codecs(2)[0] if settings.int8_factors else None
     hook_rank = psgd_rank if isinstance(psgd_rank, int) else torch_hook_rank(model, optimizer)
     gen = torch.Generator().manual_seed(0)
     params = []
@@ -381,7 +409,7 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
                  "psgd_compressed": plain.compressed, "psgd_r": plain.r}
         if lay.compressed:
             tensor = CompressedTensor(lay, gen, dev)
-            entry.update(_time_compression(tensor, dev, repeats, gen, scheme))
+            entry.update(_time_compression(tensor, dev, repeats, gen, scheme, pq_codec))
             p_factors.append(tensor.p)
             q_factors.append(tensor.q)
         if plain.compressed:
@@ -423,6 +451,10 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
         "optimizer_family": optimizer_family(optimizer),
         "scheme": scheme,
         "fp16_wire": bool(settings.fp16_wire),
+        "int8_factors": bool(settings.int8_factors),
+        **({"budget": budget} if budget is not None else {}),
+        **({"lanes_s_per_element": _lanes_s_per_element(dev, repeats)}
+           if settings.int8_factors else {}),
         "step_ahead": settings.step_ahead,
         "psgd_matrix_rank": psgd_settings.matrix_rank,
         "psgd_fp16_wire": bool(psgd_settings.fp16_wire),
@@ -439,7 +471,8 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
         "orthonormalize_s": orth,
         "params": params,
         "ready_order": timed["order"],
-        "buckets": bucket_plans(layouts, fusion_threshold_bytes, psgd_layouts),
+        "buckets": bucket_plans(layouts, fusion_threshold_bytes, psgd_layouts,
+                                bool(settings.int8_factors)),
         "ddp_buckets": ddp_buckets([(n, by_name[n].numel(), by_name[n].dtype) for n in arrived]),
         "conditions": dict(conditions) if conditions else alone_conditions(dev),
     }
@@ -448,12 +481,14 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
 def profile_builtin(model: str, batch_size: int, *, matrix_rank=None,
                     device: str = "cpu", image_size: int = 128, seq_len: int = 64,
                     steps: int = 3, warmup: int = 1, repeats: int = 3, spec=None,
-                    conditions: Optional[dict] = None, optimizer: str = "sgd") -> dict:
+                    conditions: Optional[dict] = None, optimizer: str = "sgd",
+                    int8_factors: Optional[bool] = None, budget: Optional[float] = None) -> dict:
     """Profile one of the built-in models or a user's ``module:function``
     (:func:`.models.build_model`; ``spec``: one built already), trained by
-    ``optimizer`` (:data:`.models.OPTIMIZERS`)."""
+    ``optimizer`` (:data:`.models.OPTIMIZERS`), with ACP-SGD's
+    ``int8_factors`` and ``budget`` where given (:func:`profile_model`)."""
     from .models import build_model, build_optimizer, default_matrix_rank
-    rank = matrix_rank or default_matrix_rank(model, optimizer)
+    rank = matrix_rank or (None if budget is not None else default_matrix_rank(model, optimizer))
     if spec is None:
         spec = build_model(model, batch_size, image_size=image_size, seq_len=seq_len)
     # profile_model moves the model to the device in place: the optimizer
@@ -461,6 +496,7 @@ def profile_builtin(model: str, batch_size: int, *, matrix_rank=None,
     opt = build_optimizer(optimizer, [p for p in spec.model.parameters() if p.requires_grad])
     out = profile_model(spec.model, spec.batch, spec.loss_fn, matrix_rank=rank, device=device,
                         optimizer=opt, steps=steps, warmup=warmup, repeats=repeats,
-                        description=spec.description, conditions=conditions)
+                        description=spec.description, conditions=conditions,
+                        int8_factors=int8_factors, budget=budget)
     out.update(model=model, batch_size=batch_size, image_size=image_size, seq_len=seq_len)
     return out

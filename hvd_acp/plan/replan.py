@@ -23,6 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..codecs import Int8PQCodec
 from ..compression import Phase, compute_dtype
 from ..fusion import TensorLayout, plan_buckets
 
@@ -35,16 +36,20 @@ DDP_BUCKET_BYTES = 25 * 1024 * 1024
 
 
 def _bucket_dicts(buckets) -> List[dict]:
-    return [{"bytes": b.nbytes, "members": [s.name for s in b.slots], "name": b.name}
+    return [{"bytes": b.nbytes, "members": [s.name for s in b.slots], "name": b.name,
+             **({"lanes": True} if b.lanes else {})}
             for b in buckets]
 
 
 def bucket_plans(layouts: Sequence[TensorLayout], fusion_threshold_bytes: int,
-                 psgd_layouts: Optional[Sequence[TensorLayout]] = None) -> Dict[str, list]:
+                 psgd_layouts: Optional[Sequence[TensorLayout]] = None,
+                 int8_factors: bool = False) -> Dict[str, list]:
     """hvd_acp's buffers per method and step, as the profile stores them
-    (``acp_p``, ``acp_q``: P and Q in turn; ``acp_pq``: both factors;
-    ``psgd_p``, ``psgd_q``: lists of ``bytes``, ``members``, ``name``). The
-    bytes are the buffer's, float32; fp16 on the wire halves them
+    (``acp_p``, ``acp_q``: P and Q in turn; ``acp_pq``: both factors, with
+    ``int8_factors`` the factors in buffers of 8-bit lanes of their own,
+    marked ``lanes``; ``psgd_p``, ``psgd_q``: lists of ``bytes``,
+    ``members``, ``name``). The bytes are the buffer's, float32; fp16 on the
+    wire halves them, 8-bit lanes send a byte an element and a flag
     (:mod:`.timeline`).
 
     Args:
@@ -58,7 +63,8 @@ def bucket_plans(layouts: Sequence[TensorLayout], fusion_threshold_bytes: int,
     return {
         "acp_p": _bucket_dicts(plan_buckets(layouts, Phase.P, fusion_threshold_bytes)),
         "acp_q": _bucket_dicts(plan_buckets(layouts, Phase.Q, fusion_threshold_bytes)),
-        "acp_pq": _bucket_dicts(plan_buckets(layouts, Phase.PQ, fusion_threshold_bytes)),
+        "acp_pq": _bucket_dicts(plan_buckets(
+            layouts, Int8PQCodec(1) if int8_factors else Phase.PQ, fusion_threshold_bytes)),
         "psgd_p": _bucket_dicts(plan_buckets(psgd_layouts, Phase.P, fusion_threshold_bytes,
                                              prefix="hvd_acp.powersgd")),
         "psgd_q": _bucket_dicts(plan_buckets(compressed, Phase.Q, fusion_threshold_bytes,
@@ -146,7 +152,8 @@ def current_plans(profile: dict) -> dict:
     threshold = profile.get("fusion_threshold_bytes")
     updated = dict(profile)
     if threshold is not None:
-        updated["buckets"] = bucket_plans(layouts, int(threshold), psgd_layouts)
+        updated["buckets"] = bucket_plans(layouts, int(threshold), psgd_layouts,
+                                          bool(profile.get("int8_factors")))
     updated["ddp_buckets"] = ddp_buckets(
         [(name, int(by_name[name].get("numel") or by_name[name]["bytes"] // dtypes[name].itemsize),
           dtypes[name]) for name in order])

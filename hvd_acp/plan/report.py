@@ -157,7 +157,10 @@ def _settings_md(cfg: dict) -> str:
     both = cfg.get("scheme") == "both"
     text = (f"{cfg.get('optimizer', 'SGD')}: ACP-SGD matrix rank {cfg.get('matrix_rank')}, "
             + ("both factors every step" if both else "P and Q in turn")
-            + (", fp16 on the wire" if cfg.get("fp16_wire") else ""))
+            + (", the factors in 8-bit lanes" if cfg.get("int8_factors") else "")
+            + (", fp16 on the wire" if cfg.get("fp16_wire") else "")
+            + (f" (budget {cfg['budget']:g} of S-SGD's bytes)"
+               if cfg.get("budget") is not None else ""))
     psgd = cfg.get("psgd_matrix_rank", cfg.get("matrix_rank"))
     if psgd != cfg.get("matrix_rank"):
         text += f"; Power-SGD matrix rank {psgd}"
@@ -308,6 +311,8 @@ def write_plan(profile: dict, out: Path, nps: Sequence[int], bandwidths_mbit: Se
         "optimizer_family": profile.get("optimizer_family", "sgd"),
         "scheme": profile.get("scheme", "alternating"),
         "fp16_wire": bool(profile.get("fp16_wire", False)),
+        "int8_factors": bool(profile.get("int8_factors", False)),
+        "budget": profile.get("budget"),
         "psgd_matrix_rank": profile.get("psgd_matrix_rank", profile["matrix_rank"]),
         "device": profile.get("device"), "device_name": profile.get("device_name"),
         "profile_source": profile_source, "np": list(nps), "bandwidth_mbit": list(bandwidths_mbit),

@@ -33,7 +33,11 @@ be identical, so a collective starts when this rank has submitted it.
   orthonormalized at the first hook, ``reconstruct_pq_s``). With
   ``fp16_wire`` (the adaptive default) the hook that launches a buffer casts
   it to float16 first, half its bytes travel, and it is cast back before
-  its reconstruction. The default step-ahead
+  its reconstruction. With ``int8_factors`` the factors' buffers (``lanes``)
+  send a byte an element plus a flag, four to an int32 word, packed by the
+  launching hook and read back before the reconstruction
+  (``lanes_s_per_element`` each way); the other tensors' buffers are cast
+  as above. The default step-ahead
   error feedback shifts the compressed parameters before the forward pass
   and restores them in ``step()`` (``step_ahead_s``; 0 in profiles made
   before it was measured).
@@ -61,7 +65,9 @@ be identical, so a collective starts when this rank has submitted it.
   gradients when the all-reduce is done. Backward's end waits for every
   bucket. P and Q steps alternate, or both factors go every step (on
   hvd_acp's own layouts), with fp16 on the wire where the profile says so
-  (the hook's float16 copy of the payload and back); step-ahead shifts and
+  (the hook's float16 copy of the payload and back); with ``int8_factors``
+  a bucket's factors travel as 8-bit lanes in one all-reduce and its other
+  tensors in a second, one after the other on the link; step-ahead shifts and
   restores as for ``hvd_acp.DistributedOptimizer``.
 
 Collectives of one job run one at a time on the link (Horovod's single
@@ -287,6 +293,27 @@ def _wire_bytes(nbytes: float, fp16: bool) -> float:
     return nbytes / 2 if fp16 else nbytes
 
 
+def _lanes_wire_bytes(numel: float) -> float:
+    """Bytes on the wire of ``numel`` 8-bit levels and their flag digit, four
+    to an int32 word (:func:`hvd_acp.lanes.words_for`)."""
+    return 4 * math.ceil((numel + 1) / 4)
+
+
+def _bucket_wire_bytes(bucket: dict, fp16: bool) -> float:
+    """Bytes on the wire of one of the profile's fused buffers."""
+    if bucket.get("lanes"):
+        return _lanes_wire_bytes(bucket["bytes"] / 4)
+    return _wire_bytes(bucket["bytes"], fp16)
+
+
+def _bucket_cast_s(profile: dict, bucket: dict, cast: float) -> float:
+    """One way of a buffer's conversion for the wire: its fp16 cast (``cast``
+    seconds per float32 byte), or packing its 8-bit levels into words."""
+    if bucket.get("lanes"):
+        return profile.get("lanes_s_per_element", 0.0) * bucket["bytes"] / 4
+    return cast * bucket["bytes"]
+
+
 def _predict_ssgd(profile, settings, origin, fp16: bool = False) -> StepPrediction:
     s = settings.compute_scale
     costs = _Costs(settings, s)
@@ -343,11 +370,11 @@ def _backward_casting(profile: dict, scale: float, start: float, first_cost: flo
     per float32 byte, 0 without), the hook that launches each of ``buckets``
     first casts it to float16 on the backward thread."""
     done, end = _hooked_backward(profile, scale, start, first_cost, hook_cost)
-    if not cast:
+    if not cast and not any(b.get("lanes") for b in buckets):
         return done, end
     casts: Dict[str, float] = {}
     for name, bucket in zip(_launching_members(buckets, done, profile), buckets):
-        casts[name] = casts.get(name, 0.0) + cast * bucket["bytes"]
+        casts[name] = casts.get(name, 0.0) + _bucket_cast_s(profile, bucket, cast)
     return _hooked_backward(profile, scale, start, first_cost,
                             lambda p: hook_cost(p) + casts.get(p["name"], 0.0))
 
@@ -381,20 +408,20 @@ def _predict_acp_phase(profile, settings, origin, phase: str) -> StepPrediction:
         buckets, cast)
     thread = _horovod_thread(settings, costs, origin)
     launched = _launch_times(buckets, done, profile, params, key, s)
-    finish = thread.submit([(at, _wire_bytes(b["bytes"], fp16))
+    finish = thread.submit([(at, _bucket_wire_bytes(b, fp16))
                             for at, b in zip(launched, buckets)])
     t, recon = bwd_end, 0.0
     for bucket, arrived in zip(buckets, finish):
         r = (sum(params[n].get(_recon_key(phase), 0.0) for n in bucket["members"])
-             + cast * bucket["bytes"]) * s
+             + _bucket_cast_s(profile, bucket, cast)) * s
         t = max(t, arrived) + r
         recon += r
     t += profile["optimizer_s"] * s + costs.host_s
     compute = _compute_s(profile, s)
     compression = (shift + orth * s + _compressed_s(params, key) * s + recon
-                   + cast * sum(b["bytes"] for b in buckets) * s)
+                   + sum(_bucket_cast_s(profile, b, cast) for b in buckets) * s)
     return StepPrediction(t, compute, compression, t - compute - compression,
-                          sum(_wire_bytes(b["bytes"], fp16) for b in buckets),
+                          sum(_bucket_wire_bytes(b, fp16) for b in buckets),
                           thread.collectives, thread.busy_s)
 
 
@@ -512,6 +539,10 @@ def _predict_acp_ddp_phase(profile, settings, phase: str) -> StepPrediction:
     is_compressed, factor_bytes = _ddp_factors(profile, phase)
     fp16 = bool(profile.get("fp16_wire", False))
     cast = _cast_s_per_byte(profile, fp16)
+    # int8_factors: a bucket's factors go as 8-bit lanes in one all-reduce,
+    # its other tensors in a second.
+    lanes = phase == "PQ" and bool(profile.get("int8_factors"))
+    lanes_s = profile.get("lanes_s_per_element", 0.0)
     n_compressed = sum(1 for p in params.values() if is_compressed(p)) or 1
     orth = profile["orthonormalize_s"]["acp_" + phase.lower()]
     step_ahead = _compressed_s(params, "step_ahead_s") * s
@@ -523,22 +554,32 @@ def _predict_acp_ddp_phase(profile, settings, phase: str) -> StepPrediction:
         comp = [p for p in ps if is_compressed(p)]
         ready = max(last_ready, start + max(p["ready_s"] for p in ps) * s + delay)
         last_ready = ready
-        size = (sum(p["bytes"] for p in ps if not is_compressed(p))
-                + sum(factor_bytes(p) for p in comp))
+        rest = sum(p["bytes"] for p in ps if not is_compressed(p))
+        factors = sum(factor_bytes(p) for p in comp)
+        if lanes:
+            levels = sum((p["n"] + p["m"]) * p["r"] for p in comp)
+            parts = [part for part in (_lanes_wire_bytes(levels) if comp else 0,
+                                       _wire_bytes(rest, fp16)) if part]
+            size, convert = rest, lanes_s * levels
+        else:
+            size = rest + factors
+            parts, convert = [_wire_bytes(size, fp16)], 0.0
         # With fp16 on the wire the hook copies the payload into float16
         # before the launch, and back when it arrives.
         hook = (orth * len(comp) / n_compressed
-                + sum(p.get(key, p.get("psgd_p_s", 0.0)) for p in comp) + cast * size) * s
+                + sum(p.get(key, p.get("psgd_p_s", 0.0)) for p in comp) + cast * size
+                + convert) * s
         delay += hook
-        duration = costs(_wire_bytes(size, fp16))
+        duration = sum(costs(part) for part in parts)
         # The last compressed member's residual runs after the launch.
         owed = _owed_s(comp[-1], key) * s if comp else 0.0
         link_free = max(ready + hook - owed, link_free) + duration
-        recon = (sum(p.get(_recon_key(phase), 0.0) for p in comp) + cast * size) * s
+        recon = (sum(p.get(_recon_key(phase), 0.0) for p in comp) + cast * size
+                 + convert) * s
         arrived = max(arrived, link_free) + recon
         compression += hook + recon
-        nbytes += _wire_bytes(size, fp16)
-        collectives += 1
+        nbytes += sum(parts)
+        collectives += len(parts)
         busy += duration
     bwd_end = start + profile["backward_s"] * s + delay
     end = max(bwd_end, arrived) + profile["optimizer_s"] * s + costs.host_s
