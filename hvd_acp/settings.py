@@ -305,7 +305,8 @@ class Settings:
                         "an adaptive optimizer" if family == "adaptive" else "SGD-like",
                         ", ".join(f"{key}={value!r} (default)" if key in missing
                                   else f"{key}={value!r}"
-                                  for key, value in resolved.as_kwargs().items()))
+                                  for key, value in resolved.as_kwargs().items()
+                                  if key != "budget" or value is not None))
         return resolved
 
     def _fit_budget(self, optimizer, factors_per_step: int, shapes) -> "Settings":
@@ -325,7 +326,7 @@ class Settings:
                 else self.min_compression_rate)
         fitted, sent = fit_budget(dataclasses.replace(self, min_compression_rate=rate),
                                   list(shapes), adaptive["matrix_rank"])
-        logger.info("hvd_acp: budget %r of S-SGD's bytes: matrix_rank=%r, int8_factors=%r, "
+        logger.info("hvd_acp: budget %.4g of S-SGD's bytes: matrix_rank=%r, int8_factors=%r, "
                     "both_factors=True, fp16_wire=True; a compressed step sends %.4f",
                     self.budget, fitted.matrix_rank, fitted.int8_factors, sent)
         return fitted.resolve(optimizer)

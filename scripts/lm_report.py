@@ -43,6 +43,10 @@ SHOWN_PYTHON = ".venv/bin/python"
 #: --optimizer adamw``) on emulated links: each method's step time there.
 LINK_RUNS = (("100 Mbit/s", REPO / "bench-results" / "train_lm_np4_100mbit" / "results.json"),
              ("1 Gbit/s", REPO / "bench-results" / "train_lm_np4_1gbit" / "results.json"))
+#: Later runs on the same links, for methods the first ones did not run (a
+#: method is timed by the first run of its link that has it).
+LINK_EXTRA = {"100 Mbit/s": REPO / "bench-results" / "train_lm_np4_100mbit_int8" / "results.json",
+              "1 Gbit/s": REPO / "bench-results" / "train_lm_np4_1gbit_int8" / "results.json"}
 #: The recipe whose curves the link runs time.
 TIMED_RECIPE = "train_lm_np4"
 #: Frontier label -> the benchmark's method that times it. The benchmark's
@@ -50,7 +54,8 @@ TIMED_RECIPE = "train_lm_np4"
 #: adds the outer all-reduce at the label's own H) and its DeMo-style k 8.
 #: Its ACP-SGD ran P and Q in turn at a share 0.5.
 TIMED = {SSGD: "ssgd", "S-SGD (fp16)": "ssgd-fp16", PREVIOUS: "acp", PSGD: "powersgd",
-         "DiLoCo, H 10": "diloco", "DiLoCo, H 50": "diloco", "DeMo-style, k 8": "demo"}
+         "DiLoCo, H 10": "diloco", "DiLoCo, H 50": "diloco", "DeMo-style, k 8": "demo",
+         "ACP-SGD, 8-bit factors, share 0.2": "acp-int8"}
 #: The target of the time to a loss: S-SGD's mean final loss times this.
 TARGET_FACTOR = 1.02
 
@@ -231,9 +236,19 @@ def _seconds(steps: float, step: float, low: Optional[float], high: Optional[flo
 
 
 def link_benches() -> List[tuple]:
-    """(link name, results.json) of each of :data:`LINK_RUNS` that exists."""
-    return [(name, json.loads(path.read_text(encoding="utf-8")))
-            for name, path in LINK_RUNS if path.exists()]
+    """(link name, results.json) of each of :data:`LINK_RUNS` that exists,
+    with the methods of its :data:`LINK_EXTRA` run that it lacks."""
+    found = []
+    for name, path in LINK_RUNS:
+        if not path.exists():
+            continue
+        bench = json.loads(path.read_text(encoding="utf-8"))
+        extra = LINK_EXTRA.get(name)
+        if extra is not None and extra.exists():
+            later = json.loads(extra.read_text(encoding="utf-8"))["methods"]
+            bench["methods"] = {**later, **bench["methods"]}
+        found.append((name, bench))
+    return found
 
 
 def timed_curves(frontier: Sequence[dict]) -> List[tuple]:
@@ -275,7 +290,9 @@ def time_to_target_report(frontier: Sequence[dict]) -> List[str]:
            f"model at the link's rate: the benchmark's DiLoCo reaches no outer step in its "
            f"timed steps); the DeMo-style method is timed at its default k 8 only; "
            f"ACP-SGD as the benchmark ran it, P and Q in turn (the previous defaults; "
-           f"the defaults now send 1.2 times those bytes and were not timed here). In "
+           f"the defaults now send 1.2 times those bytes and were not timed here); the "
+           f"8-bit factors at share 0.2 by the benchmark's `acp-int8` at `--matrix-rank "
+           f"0.1`, in a later run on the same links (`bench-results/train_lm_np4_*_int8/`). In "
            f"brackets: the interval of the median step over the rounds, times the steps. "
            f"4 ranks share this host's 2 cores (the floor is one process alone), so the "
            f"times carry CPU scheduling as well as the link: read only differences whose "

@@ -185,9 +185,17 @@ FRONTIER = (
     # sign update (scripts/sign_adamw.py; step-ahead models Adam's step).
     ("ACP-SGD, P and Q in turn, sign update",
      ("--optimizer", "acp", "--update", "sign", "--step-ahead", "0", *IN_TURN), True),
+    # Issue 46: the factors in 8-bit lanes, and the budget setting at 1/40.
+    ("ACP-SGD, 8-bit factors, share 0.2", ("--optimizer", "acp", "--int8-factors",
+                                           "--matrix-rank", "0.2"), False),
+    ("ACP-SGD, budget 1/40", ("--optimizer", "acp", "--budget", "0.025"), False),
 )
 #: Settings of the frontier that only some recipes' scripts have.
 FRONTIER_ONLY = {"ACP-SGD, P and Q in turn, sign update": ("train_lm_np4",)}
+#: Settings whose runs live in another study's folder, by the name of their
+#: summaries there (bench-results/lm_int8/, scripts/lm_int8_table.py).
+ELSEWHERE = {"ACP-SGD, 8-bit factors, share 0.2": ("lm_int8", "acp_int8_share_0_2"),
+             "ACP-SGD, budget 1/40": ("lm_int8", "acp_budget_1_40")}
 
 
 def frontier_settings(recipe: Recipe):
@@ -214,8 +222,10 @@ class Run:
 
     @property
     def summary(self) -> Path:
-        slug = re.sub(r"[^a-z0-9]+", "_", self.label.lower()).strip("_")
-        return RESULTS / self.recipe.key / f"{slug}_lr{self.rate}_s{self.seed}.json"
+        folder, slug = ELSEWHERE.get(self.label, (None, None))
+        slug = slug or re.sub(r"[^a-z0-9]+", "_", self.label.lower()).strip("_")
+        results = RESULTS if folder is None else RESULTS.parent / folder
+        return results / self.recipe.key / f"{slug}_lr{self.rate}_s{self.seed}.json"
 
     def command(self, python: Optional[str] = None) -> List[str]:
         return self.recipe.command(self.flags, self.rate, self.seed, self.summary, python)

@@ -17,7 +17,7 @@ from tests.hvdrun import horovodrun, rank_lines, torchrun
 def test_every_method_is_declared_once_in_report_order():
     assert KEYS == ("ssgd", "ssgd-fp16", "ddp", "ddp-fp16", "powersgd", "powersgd-ddp",
                     "powersgd-ddp-batched", "acp", "acp-fp16", "acp-nooverlap", "acp-nofusion",
-                    "acp-ddp", "diloco", "demo", "tsr")
+                    "acp-int8", "acp-ddp", "diloco", "demo", "tsr")
     for key, method in REGISTRY.items():
         assert method.key == key and method.launcher in (HOROVOD, TORCHRUN)
         assert method.title == f"{method.algorithm} ({method.implementation})"
@@ -26,7 +26,7 @@ def test_every_method_is_declared_once_in_report_order():
     assert REGISTRY["acp-ddp"].title == "ACP-SGD (DDP hvd_acp.ddp.acp_hook)"
     assert [m.key for m in REGISTRY.values() if m.launcher == HOROVOD] == [
         "ssgd", "ssgd-fp16", "powersgd", "acp", "acp-fp16", "acp-nooverlap", "acp-nofusion",
-        "diloco", "demo", "tsr"]
+        "acp-int8", "diloco", "demo", "tsr"]
     # Only the baselines that average no gradient take settings of their own.
     assert {k: m.settings for k, m in REGISTRY.items() if m.settings} == {
         "diloco": ("inner_steps", "outer_lr", "outer_momentum", "nesterov"),
@@ -50,7 +50,7 @@ def test_variants_name_a_reference_of_their_algorithm_and_launcher():
         if method.variant_of is not None:
             assert references[(method.algorithm, method.launcher)] == method.variant_of, key
     assert {k for k, m in REGISTRY.items() if m.variant_of == "acp"} == {
-        "acp-fp16", "acp-nooverlap", "acp-nofusion"}
+        "acp-fp16", "acp-nooverlap", "acp-nofusion", "acp-int8"}
 
 
 def test_the_planner_predicts_the_methods_the_registry_does_not_exempt():
@@ -105,6 +105,24 @@ def test_hvd_acp_factories_train_and_count(key):
         assert counters.bytes_sent == built.optimizer.comm_stats.bytes_sent
     finally:
         built.optimizer.close()
+
+
+def test_the_8_bit_factors_run_at_twice_the_rank_given():
+    """acp-int8 at twice the rank: the bytes of Power-SGD and of ACP-SGD's
+    fp16 factors at the rank given, for the benchmark's equal-bytes row."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    built = methods.get("acp-int8").build(model, opt, matrix_rank=0.1,
+                                          communicator=hvd_acp.LocalCommunicator())
+    try:
+        assert built.optimizer.settings.int8_factors
+        assert built.optimizer.settings.matrix_rank == 0.2
+    finally:
+        built.optimizer.close()
+    for bad in (None, "auto", 0.5):
+        with pytest.raises(ValueError, match="2 times the matrix_rank given"):
+            methods.get("acp-int8").build(model, opt, matrix_rank=bad)
 
 
 # ------------------------------------------------------- the ablations, one process

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from ..settings import is_int
 from .counting import Counters, CountingCompression, DDPBucketCounter, PowerSGDHookProbe
 from .counting import counted_hook, fp16_hook_payload
 
@@ -186,12 +187,26 @@ def _ssgd(fp16: bool):
     return factory
 
 
-def _hvd_acp_optimizer(class_name: str, fp16: bool = False, **preset):
+def _times(matrix_rank, times: int):
+    """``times`` the ``matrix_rank`` given: an int rank, or a share in (0, 1)
+    that stays below 1."""
+    share = isinstance(matrix_rank, float)
+    if not (is_int(matrix_rank) or share) or (share and not times * matrix_rank < 1):
+        raise ValueError(f"this method runs at {times} times the matrix_rank given: give a "
+                         f"rank, or a share below {1 / times:g}; got {matrix_rank!r}")
+    return times * matrix_rank
+
+
+def _hvd_acp_optimizer(class_name: str, fp16: bool = False, rank_times: int = 1, **preset):
     """Factory of one of hvd_acp's Horovod optimizers (``hvd_acp.<class_name>``),
     with the keyword arguments ``preset`` (an ablation's settings) and, with
-    ``fp16``, its fused buffers sent in fp16 (``hvd.Compression.fp16``)."""
+    ``fp16``, its fused buffers sent in fp16 (``hvd.Compression.fp16``);
+    ``rank_times``: at that many times the ``matrix_rank`` given (a rank or a
+    share; one must be given)."""
     def factory(model, optimizer, *, matrix_rank, warmup_steps, ddp_options, **options):
         import hvd_acp
+        if rank_times != 1:
+            matrix_rank = _times(matrix_rank, rank_times)
         preset_here = dict(preset)
         if fp16:
             import horovod.torch as hvd
@@ -380,6 +395,12 @@ REGISTRY: Dict[str, Method] = {m.key: m for m in (
            _hvd_acp_optimizer("DistributedOptimizer", fusion_threshold_bytes=0), "tab:brown",
            not_predicted="an ablation: the timeline simulates ACP-SGD's fused buffers",
            variant_of="acp"),
+    Method("acp-int8", "ACP-SGD", "ACP-SGD (8-bit factors, twice the rank)",
+           "hvd_acp.DistributedOptimizer, int8_factors=True, 2 x matrix_rank", HOROVOD,
+           _hvd_acp_optimizer("DistributedOptimizer", rank_times=2, int8_factors=True),
+           "darkred", variant_of="acp",
+           not_predicted="the planner predicts the 8-bit factors as ACP-SGD, from a profile "
+                         "made with --int8-factors"),
     Method("acp-ddp", "ACP-SGD", "ACP-SGD (DDP hook)", "DDP hvd_acp.ddp.acp_hook", TORCHRUN,
            _acp_ddp, "tab:orange"),
     Method("diloco", "DiLoCo", "DiLoCo", "hvd_acp.DiLoCoOptimizer", HOROVOD,
