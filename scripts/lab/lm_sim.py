@@ -8,6 +8,12 @@
                     L = 127 // n, on per-column steps kappa * max |last average's column| / L
                     (the library's int8_factors, kappa 2), a byte an element; the residual keeps
                     what rounding and clipping leave out; the first step sends floats
+  {"int8": kappa, "adapt": [grow, shrink, low, high]}
+                    each factor column's headroom (kappa at the start) moves with the number of
+                    workers that clipped it on the step before (what one more 8-bit digit per
+                    column in the same all-reduce would carry, identical on every worker): times
+                    grow where any worker clipped it, times shrink where none did, within
+                    [low, high]
   --method tsr      the TSR-style baseline (run_tsr: core all-reduce, sketched refresh, Adam in
                     the core)
 Screened (seed 0, 4 workers, 3 layers, batch 16, 300 steps, AdamW lr 1e-2, S-SGD's best of
@@ -260,8 +266,18 @@ class Compressor:
             if self.step > 0:
                 L = 127 // self.n
                 kappa = float(o["int8"])
-                dp = (kappa * self.P.abs().amax(0) / L).clamp_min(1e-30)
-                dq = (kappa * self.Q.abs().amax(0) / L).clamp_min(1e-30)
+                if not hasattr(self, "hp"):
+                    self.hp = torch.full((self.r,), kappa)
+                    self.hq = torch.full((self.r,), kappa)
+                hp, hq = (self.hp, self.hq) if o.get("adapt") else (kappa, kappa)
+                dp = (hp * self.P.abs().amax(0) / L).clamp_min(1e-30)
+                dq = (hq * self.Q.abs().amax(0) / L).clamp_min(1e-30)
+                if o.get("adapt"):
+                    grow, shrink, low, high = o["adapt"]
+                    for h, loc, d in ((self.hp, Ploc, dp), (self.hq, Qloc, dq)):
+                        clipped = sum(((x / d).abs() > L + 0.5).any(0).float() for x in loc)
+                        h.mul_(torch.where(clipped > 0, torch.tensor(float(grow)),
+                                           torch.tensor(float(shrink)))).clamp_(low, high)
                 Ploc = [(x / dp).round().clamp(-L, L) * dp for x in Ploc]
                 Qloc = [(x / dq).round().clamp(-L, L) * dq for x in Qloc]
                 fl = fl / 2
