@@ -214,7 +214,9 @@ class Settings:
             if chosen:
                 raise ValueError(f"budget picks {', '.join(BUDGET_PICKS)}; leave "
                                  f"{', '.join(chosen)} unset (or give no budget)")
-        given = (self if self.budget is None else dataclasses.replace(self, budget=None)).resolve()
+            dataclasses.replace(self, budget=None)      # checks the other settings
+            return
+        given = self.resolve()
         parse_matrix_rank(given.matrix_rank)
         rate = given.min_compression_rate
         if not isinstance(rate, numbers.Real) or isinstance(rate, bool) or not rate >= 0:

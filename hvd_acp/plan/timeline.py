@@ -79,6 +79,7 @@ import dataclasses
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..lanes import words_for
 from ..methods import REGISTRY, predicted
 from .cost import Network, allreduce_s
 
@@ -295,8 +296,8 @@ def _wire_bytes(nbytes: float, fp16: bool) -> float:
 
 def _lanes_wire_bytes(numel: float) -> float:
     """Bytes on the wire of ``numel`` 8-bit levels and their flag digit, four
-    to an int32 word (:func:`hvd_acp.lanes.words_for`)."""
-    return 4 * math.ceil((numel + 1) / 4)
+    to an int32 word."""
+    return 4 * words_for(numel + 1)
 
 
 def _bucket_wire_bytes(bucket: dict, fp16: bool) -> float:
@@ -555,14 +556,13 @@ def _predict_acp_ddp_phase(profile, settings, phase: str) -> StepPrediction:
         ready = max(last_ready, start + max(p["ready_s"] for p in ps) * s + delay)
         last_ready = ready
         rest = sum(p["bytes"] for p in ps if not is_compressed(p))
-        factors = sum(factor_bytes(p) for p in comp)
         if lanes:
             levels = sum((p["n"] + p["m"]) * p["r"] for p in comp)
             parts = [part for part in (_lanes_wire_bytes(levels) if comp else 0,
                                        _wire_bytes(rest, fp16)) if part]
             size, convert = rest, lanes_s * levels
         else:
-            size = rest + factors
+            size = rest + sum(factor_bytes(p) for p in comp)
             parts, convert = [_wire_bytes(size, fp16)], 0.0
         # With fp16 on the wire the hook copies the payload into float16
         # before the launch, and back when it arrives.
