@@ -50,11 +50,35 @@ def _suffix(optimizer: str) -> str:
     return "" if optimizer == "sgd" else f"_{optimizer}"
 
 
+def _profile_path(cfg: dict, out: Path) -> Path:
+    """Where this script keeps the profile of a run's model and batch."""
+    model = Path(cfg["model"].split(":")[0]).stem
+    return out / (f"profile_{model}_b{cfg['batch_size']}"
+                  f"{_suffix(cfg.get('optimizer', 'sgd'))}.json")
+
+
+def _key(cfg: dict) -> Tuple:
+    return (cfg["model"], cfg["batch_size"], cfg["matrix_rank"], cfg.get("optimizer", "sgd"))
+
+
+def _saved_profiles(results: List[Path], out: Path) -> Dict[Tuple, Path]:
+    """The profiles in ``out`` of every run's model and batch (``--reuse-profiles``);
+    ``SystemExit`` naming the first one missing."""
+    found = {}
+    for path in results:
+        cfg = json.loads(path.read_text())["config"]
+        profile = _profile_path(cfg, out)
+        if not profile.exists():
+            raise SystemExit(f"--reuse-profiles: no {profile} for {path}")
+        found[_key(cfg)] = profile
+    return found
+
+
 def _predict(results: Path, out: Path, profiles: Dict[Tuple, Path], extra: List[str]) -> dict:
     bench = json.loads(results.read_text())
     cfg = bench["config"]
     optimizer = cfg.get("optimizer", "sgd")
-    key = (cfg["model"], cfg["batch_size"], cfg["matrix_rank"], optimizer)
+    key = _key(cfg)
     profile = profiles.get(key)
     flags = ["--np", str(cfg["np"]), "--bandwidth", f"{cfg['bandwidth_mbit']:g}mbit",
              "--no-plot"]
@@ -62,8 +86,7 @@ def _predict(results: Path, out: Path, profiles: Dict[Tuple, Path], extra: List[
         flags += ["--horovod-cycle-time-ms", f"{cfg['horovod_cycle_time_ms']:g}"]
     plan_dir = out / results.parent.name
     if profile is None:
-        model = Path(cfg["model"].split(":")[0]).stem
-        profile = out / f"profile_{model}_b{cfg['batch_size']}{_suffix(optimizer)}.json"
+        profile = _profile_path(cfg, out)
         rank = [] if cfg["matrix_rank"] is None else ["--matrix-rank", str(cfg["matrix_rank"])]
         command = ["--model", cfg["model"], "--batch-size", str(cfg["batch_size"]), *rank,
                    "--optimizer", optimizer, "--save-profile", str(profile), *extra]
@@ -171,6 +194,11 @@ def main(argv: List[str] = None) -> int:
     parser.add_argument("--marker", default="planval",
                         help="the name in the page's markers (default planval: "
                              "<!-- planval --> ... <!-- end planval -->)")
+    parser.add_argument("--reuse-profiles", action="store_true",
+                        help="predict from the profiles already in OUT (profile_*.json, as "
+                             "this script names them) instead of profiling again: the runs "
+                             "replanned by today's planner from the profiles they were "
+                             "validated with")
     parser.add_argument("--report-only", action="store_true",
                         help="render OUT/defaults.json again (no profiling, no prediction)")
     args = parser.parse_args(argv)
@@ -180,7 +208,8 @@ def main(argv: List[str] = None) -> int:
         if not args.results:
             parser.error("give the runs' results.json (or --report-only)")
         args.out.mkdir(parents=True, exist_ok=True)
-        profiles: Dict[Tuple, Path] = {}
+        profiles: Dict[Tuple, Path] = (_saved_profiles(args.results, args.out)
+                                       if args.reuse_profiles else {})
         extra = ["--alone"] if args.alone else []
         found = [_predict(path.resolve(), args.out, profiles, extra) for path in args.results]
         (args.out / "defaults.json").write_text(json.dumps(found, indent=1) + "\n")

@@ -1,5 +1,6 @@
 """The planner: cost model and timeline on cases computable by hand, the
 profiler on a tiny model, a measured configuration predicted, the CLI."""
+import dataclasses
 import json
 import math
 import statistics
@@ -268,6 +269,38 @@ def test_powersgd_dependent_round():
     assert pred.compression_s == pytest.approx(0.5)
 
 
+def test_powersgd_pays_the_step_ahead_shift_of_what_it_compresses():
+    """Power-SGD runs step-ahead error feedback as ACP-SGD does: the shift of
+    each matrix it compresses before the forward pass (``step_ahead_s``)."""
+    params = [{"name": "w", "bytes": 4e6, "ready_s": 2.0, "compressed": True,
+               "psgd_p_s": 0.1, "psgd_q_s": 0.2, "reconstruct_s": 0.05, "step_ahead_s": 0.3},
+              {"name": "v", "bytes": 4e6, "ready_s": 2.0, "compressed": True,
+               "psgd_compressed": False, "step_ahead_s": 0.7}]
+    buckets = {"acp_p": [], "acp_q": [], "psgd_p": [{"bytes": 1e6, "members": ["w"]}],
+               "psgd_q": [{"bytes": 2e6, "members": ["w"]}]}
+    prof = synthetic(params, buckets=buckets, orth=0.15)
+    settings = Settings(np=2, network=net(), cycle_time_s=0.0)
+    pred = predict_methods(prof, settings, ["powersgd"])["powersgd"]
+    # As test_powersgd_dependent_round, and w's shift (v is not compressed by Power-SGD).
+    assert pred.step_s == pytest.approx(0.3 + 3.1 + 1 + 0.35 + 2 + 0.05 + 0.5)
+    assert pred.compression_s == pytest.approx(0.3 + 0.5)
+
+
+def test_the_ddp_hooks_compression_keeps_the_profiles_compute_scale():
+    """Without Horovod's thread the DDP ranks compute faster
+    (``ddp_compute_scale``); the hook's compression is priced as the
+    profile timed it (``compute_scale``)."""
+    params = [{"name": "a", "bytes": 4e6, "ready_s": 0.5, "ddp_compressed": True,
+               "compressed": True, "acp_p_s": 0.1, "acp_q_s": 0.2, "reconstruct_s": 0.05,
+               "step_ahead_s": 0.02, "ddp_p_bytes": 1e6, "ddp_q_bytes": 2e6}]
+    prof = synthetic(params, backward=1.0, optimizer=0.0, ddp=[["a"]])
+    same = predict_methods(prof, Settings(np=2, network=net()), ["acp-ddp"])["acp-ddp"]
+    faster = predict_methods(prof, Settings(np=2, network=net(), ddp_compute_scale=0.5),
+                             ["acp-ddp"])["acp-ddp"]
+    assert faster.compression_s == pytest.approx(same.compression_s)
+    assert faster.compute_s == pytest.approx(same.compute_s / 2)
+
+
 def test_powersgd_ddp_chain_blocks_backward():
     params = [{"name": "a", "bytes": 4e6, "ready_s": 0.5, "ddp_compressed": True,
                "psgd_p_s": 0.1, "psgd_q_s": 0.1, "ddp_p_bytes": 1e6, "ddp_q_bytes": 1e6},
@@ -425,19 +458,33 @@ def _tiny_loss(model, batch):
     return nn.functional.cross_entropy(model(batch[0]), batch[1])
 
 
-def test_profile_model_under_adamw_times_the_adaptive_defaults():
+def test_profile_model_under_adamw_times_the_adaptive_defaults(monkeypatch):
     """Under AdamW the profile times what the library runs: ACP-SGD's both
-    factors at 0.3 of each matrix, fp16 on the wire, and Power-SGD at its
-    own share (0.25), each planned as its front end plans its buffers."""
+    factors at 0.3 of each matrix, fp16 on the wire, Power-SGD at its
+    own share (0.25), each planned as its front end plans its buffers, and
+    the step-ahead shift with Adam's divisor."""
     import math as _math
     from hvd_acp.compression import Phase
     from hvd_acp.fusion import make_layouts, plan_buckets
     from hvd_acp.plan import profile_model
+    import hvd_acp.plan.profile as profile_module
+    divisors = []
+
+    def counted(error, *args, **kw):
+        divisors.append(tuple(error.shape))
+        return real(error, *args, **kw)
+    real = profile_module.adaptive_shift_denom
+    monkeypatch.setattr(profile_module, "adaptive_shift_denom", counted)
     torch.manual_seed(0)
     model = Tiny()
     batch = (torch.randn(16, 64), torch.randint(0, 10, (16,)))
+    sgd = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    profile_model(model, batch, _tiny_loss, optimizer=sgd, steps=1, repeats=1)
+    assert divisors == []                  # SGD's shift has no divisor
     adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
     prof = profile_model(model, batch, _tiny_loss, optimizer=adamw, steps=1, repeats=1)
+    compressed = [tuple(p["shape"]) for p in prof["params"] if p["compressed"]]
+    assert compressed and set(divisors) == set(compressed)
     assert (prof["optimizer"], prof["optimizer_family"]) == ("AdamW", "adaptive")
     assert prof["scheme"] == "both" and prof["fp16_wire"] and prof["psgd_fp16_wire"]
     assert (prof["matrix_rank"], prof["psgd_matrix_rank"]) == (0.3, 0.25)
@@ -499,6 +546,52 @@ def test_both_factors_with_fp16_on_the_wire_by_hand():
     assert fp16["ssgd"].step_s == pytest.approx(1 + 2 + 2 + 0.5)
     assert fp16["ssgd-fp16"].step_s == pytest.approx(1 + 2 + 0.2 + 1 + 0.2 + 0.5)
     assert fp16["ssgd-fp16"].bytes_per_step == 1e6
+
+
+def test_horovods_float16_collectives_cost_their_extra_host_work_by_hand():
+    """A float16 collective of Horovod costs the profile's
+    ``fp16_reduce_s_per_byte`` per byte moved on top of the float32 one's
+    host work, serial or not; float32 collectives, the 8-bit lanes and the
+    DDP hooks do not pay it."""
+    prof = synthetic([{"name": "w", "bytes": 2e6, "ready_s": 2.0, "compressed": True,
+                       "n": 1000, "m": 500, "r": 100, "numel": 5e5,
+                       "acp_pq_s": 0.1, "reconstruct_pq_s": 0.05}],
+                     buckets={"acp_pq": [{"bytes": 1e6, "members": ["w"]}],
+                              "psgd_p": [], "psgd_q": []},
+                     ddp=[["w"]])
+    prof.update(scheme="both", fp16_wire=True, fp16_cast_s_per_byte=2e-7,
+                orthonormalize_s={"acp_pq": 0.2, "psgd": 0.0})
+    methods = ["ssgd", "ssgd-fp16", "acp", "acp-ddp"]
+    for serial in (False, True):
+        settings = Settings(np=2, network=net(), cycle_time_s=0.0, host_serial=serial)
+        before = predict_methods(prof, settings, methods)
+        costly = dict(prof, fp16_reduce_s_per_byte=1e-6)
+        after = predict_methods(costly, settings, methods)
+        # At 2 ranks a ring moves each buffer once: 1e6 fp16 bytes of
+        # S-SGD's, 5e5 of ACP-SGD's, at 1e-6 s a byte.
+        assert after["ssgd-fp16"].step_s == pytest.approx(before["ssgd-fp16"].step_s + 1.0)
+        assert after["acp"].step_s == pytest.approx(before["acp"].step_s + 0.5)
+        assert after["ssgd"].step_s == before["ssgd"].step_s
+        assert after["acp-ddp"].step_s == before["acp-ddp"].step_s
+        # Scaled with compute, as the rest of the host work is.
+        halved = predict_methods(costly, dataclasses.replace(settings, compute_scale=0.5),
+                                 ["ssgd-fp16"])["ssgd-fp16"]
+        plain = predict_methods(prof, dataclasses.replace(settings, compute_scale=0.5),
+                                ["ssgd-fp16"])["ssgd-fp16"]
+        assert halved.step_s == pytest.approx(plain.step_s + 0.5)
+    # The 8-bit lanes are summed as integers: no float16 collective.
+    lanes = dict(costly, int8_factors=True, lanes_s_per_element=1e-7,
+                 buckets={"acp_pq": [{"bytes": 1e6, "members": ["w"], "lanes": True}],
+                          "psgd_p": [], "psgd_q": []})
+    assert (predict_methods(lanes, settings, ["acp"])["acp"].step_s
+            == predict_methods(dict(lanes, fp16_reduce_s_per_byte=0.0), settings,
+                               ["acp"])["acp"].step_s)
+
+
+def test_the_float16_collectives_extra_cost_needs_two_ranks():
+    from hvd_acp.plan.profile import fp16_reduce_s_per_byte
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        fp16_reduce_s_per_byte(lambda t: None, 1, torch.device("cpu"))
 
 
 def test_the_factors_in_8_bit_lanes_by_hand():
@@ -578,11 +671,15 @@ def test_the_sgd_validation_runs_replanned_from_their_profiles_are_unchanged(tmp
     folder = repo / "bench-results" / "planval" / "defaults"
     published = json.loads((folder / "defaults.json").read_text())
     assert len(published) == 8
-    for run in published:
-        results = repo / run["run"] / "results.json"
-        cfg = json.loads(results.read_text())["config"]
-        profile = folder / f"profile_{cfg['model']}_b{cfg['batch_size']}.json"
-        profiles = {(cfg["model"], cfg["batch_size"], cfg["matrix_rank"], "sgd"): profile}
+    runs = [repo / run["run"] / "results.json" for run in published]
+    # --reuse-profiles: the profiles the runs were validated with, found in the folder.
+    profiles = plan_vs_bench._saved_profiles(runs, folder)
+    assert sorted(p.name for p in set(profiles.values())) == [
+        "profile_bert-base_b4.json", "profile_bert-base_b8.json",
+        "profile_resnet50_b16.json", "profile_resnet50_b8.json"]
+    with pytest.raises(SystemExit, match="--reuse-profiles: no"):
+        plan_vs_bench._saved_profiles(runs, tmp_path)
+    for run, results in zip(published, runs):
         again = plan_vs_bench._predict(results, tmp_path, profiles, [])
         for method, row in run["methods"].items():
             assert again["methods"][method]["predicted_step_s"] == row["predicted_step_s"], \

@@ -2,6 +2,7 @@
 a launch implies, what a profile records and says, how predictions use it,
 and the node's ranks profiling at once under horovodrun."""
 import json
+import sys
 import statistics
 
 import pytest
@@ -107,6 +108,10 @@ def test_cli_profiles_a_users_model_as_the_ranks_of_a_node_run(tmp_path, capsys,
     assert len(cond["per_rank_step_s"]) == len(cond["ddp_per_rank_step_s"]) == 2
     assert cond["ddp_compute_scale"] == pytest.approx(
         statistics.median(cond["ddp_per_rank_step_s"]) / statistics.median(cond["per_rank_step_s"]))
+    # Both ranks timed a float16 and a float32 all-reduce of Horovod: the
+    # first's extra host work per byte, a real number, never negative.
+    extra = profile["fp16_reduce_s_per_byte"]
+    assert isinstance(extra, float) and 0.0 <= extra < 1e-6
     # The two ranks profiled at the same time, not one after the other.
     (a0, a1), (b0, b1) = cond["per_rank_window"]
     assert max(a0, b0) < min(a1, b1)
@@ -117,6 +122,7 @@ def test_cli_profiles_a_users_model_as_the_ranks_of_a_node_run(tmp_path, capsys,
                  "--out", str(tmp_path / "plan")]) == 0
     plan_md = (tmp_path / "plan" / "plan.md").read_text()
     assert "with 2 ranks per node computing at once" in plan_md
+    assert "Horovod's float16 collectives" in plan_md
     assert "AdamW: ACP-SGD matrix rank 0.3, both factors every step, fp16 on the wire" in plan_md
     assert "ACP-SGD (DDP hook)" in plan_md and "S-SGD (fp16)" in plan_md
     config = json.loads((tmp_path / "plan" / "plan.json").read_text())["config"]
@@ -148,3 +154,23 @@ def test_cli_profiles_one_process_alone_when_asked(tmp_path, capsys, monkeypatch
     assert "profiled in one process alone (--alone) with 1 torch thread" in capsys.readouterr().out
 
 
+
+
+def test_the_fp16_allreduce_cost_script_runs_both_libraries(tmp_path):
+    """scripts/fp16_allreduce_cost.py under horovodrun and torchrun at 2 ranks:
+    both libraries' rows, each a positive time per element."""
+    import importlib
+    from tests.hvdrun import REPO
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        script = importlib.import_module("fp16_allreduce_cost")
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    assert script.main(["--np", "2", "--numel", "65536", "--repeats", "3",
+                        "--out", str(tmp_path)]) == 0
+    found = json.loads((tmp_path / "results.json").read_text())
+    assert [row["library"] for row in found["rows"]] == ["horovod", "torch"]
+    for row in found["rows"]:
+        assert set(row["ns_per_element"]) == {"float32", "float16"}
+        assert all(v > 0 for v in row["ns_per_element"].values())
+    assert "| Horovod" in (tmp_path / "results.md").read_text()

@@ -149,5 +149,8 @@ def profile_on_node(model: str, batch_size: int, conditions: NodeConditions, *,
         recorded["ddp_compute_scale"] = (statistics.median(recorded["ddp_per_rank_step_s"])
                                          / statistics.median(recorded["per_rank_step_s"]))
     profile = ranks[0]["profile"]
+    fp16 = [r["fp16_reduce_s_per_byte"] for r in ranks if "fp16_reduce_s_per_byte" in r]
+    if fp16:
+        profile["fp16_reduce_s_per_byte"] = statistics.median(fp16)
     profile["conditions"] = recorded
     return profile

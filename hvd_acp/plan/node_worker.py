@@ -6,7 +6,9 @@ rank has, then profiles it at the same moment as the others
 done, so that no rank is measured on an emptier node. With ``--horovod``
 (under ``horovodrun``) Horovod is initialized first and its background
 thread runs throughout the profile (nothing is all-reduced); then every
-rank shuts Horovod down and times training steps again, all at once,
+rank times a float16 and a float32 all-reduce at once (what the float16
+one costs more per byte), shuts Horovod down and times training steps
+again, all at once,
 without it: the step the DDP hook's ranks compute. Each rank writes
 ``rank<k>.json`` into ``--dir`` (rank 0 with the profile).
 """
@@ -102,6 +104,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     def train(steps: int, warmup: int) -> dict:
         return time_training_steps(model, batch, spec.loss_fn, optimizer, dev, steps, warmup)
     _finish(args.dir, "done", rank, size, train)
+    if args.horovod and size > 1:
+        # Every rank at once, after the last rank's training: what a float16
+        # all-reduce costs over a float32 one on this node's collective.
+        from .profile import fp16_reduce_s_per_byte
+
+        def allreduce(tensor):
+            hvd.allreduce_(tensor, op=hvd.Average, name=f"fp16-cost.{tensor.dtype}")
+        result["fp16_reduce_s_per_byte"] = fp16_reduce_s_per_byte(allreduce, size, dev)
     if args.horovod:
         hvd.shutdown()
         _arrive(args.dir, "plain", rank, size)

@@ -23,8 +23,9 @@ Measured in one process, no communication:
   ``acp_pq_residual_s`` and ``reconstruct_pq_s``; Power-SGD's two
   projections and reconstruction at its own rank (``psgd_r``:
   ``psgd_p_s``, ``psgd_q_s``, ``psgd_reconstruct_s``),
-  and ACP-SGD's step-ahead shift and restore of the parameter
-  (``step_ahead_s``, :mod:`hvd_acp.stepahead`); the batched
+  and the step-ahead shift and restore of the parameter (``step_ahead_s``,
+  :mod:`hvd_acp.stepahead`; under an adaptive optimizer with Adam's divisor
+  for the residual, which costs several times SGD's shift); the batched
   orthonormalizations of each step;
 - ``ready_order``: the order the gradients arrived in the last timed step;
 - the fused buffers each method sends (:mod:`.replan`): hvd_acp's from
@@ -34,6 +35,10 @@ Measured in one process, no communication:
   (copy into the fusion buffer, add a peer's chunk, copy out);
 - ``fp16_cast_s_per_byte``: a float32 buffer's cast to float16 and back,
   per float32 byte (fp16 on the wire, and fp16 S-SGD);
+- ``fp16_reduce_s_per_byte`` (profiles of two or more ranks at once with
+  Horovod, :mod:`.node`): what a float16 all-reduce costs per byte moved
+  beyond a float32 one (:func:`fp16_reduce_s_per_byte`), charged to the
+  fused buffers Horovod sends in float16;
 - ``tcp_stack_s_per_byte`` (CPU profiles): the kernel's TCP work per byte
   sent and received over loopback (:func:`.link.loopback_tcp_s_per_byte`),
   which a Gloo rank's all-reduce pays on a CPU node.
@@ -58,7 +63,7 @@ from torch import nn
 from ..autorank import parse_matrix_rank
 from .. import lanes
 from ..codecs import PowerSGDFirst, codec_of
-from ..compression import Phase, compute_dtype, orthonormalize_
+from ..compression import Phase, adaptive_shift_denom, compute_dtype, orthonormalize_
 from ..methods.counting import torch_hook_rank
 from ..fusion import DEFAULT_FUSION_THRESHOLD_BYTES, make_layouts
 from ..settings import Settings, optimizer_family
@@ -70,7 +75,8 @@ from .replan import bucket_plans, ddp_buckets
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["profile_model", "profile_builtin", "time_training_steps", "PROFILE_FORMAT",
+__all__ = ["profile_model", "profile_builtin", "time_training_steps", "fp16_reduce_s_per_byte",
+           "PROFILE_FORMAT",
            "DEFAULT_FUSION_THRESHOLD_BYTES"]
 
 PROFILE_FORMAT = 1
@@ -131,6 +137,53 @@ def _fp16_cast_s_per_byte(device: torch.device, repeats: int,
     return _timed(work, device, repeats) / nbytes
 
 
+def fp16_reduce_s_per_byte(allreduce: Callable[[torch.Tensor], None], ranks: int,
+                           device: torch.device, repeats: int = 41,
+                           numel: int = 1024 * 1024) -> float:
+    """Seconds per byte moved that an all-reduce of float16 costs beyond one
+    of float32, the same collective library on the same ranks.
+
+    ``allreduce(tensor)`` all-reduces ``tensor`` in place over ``ranks``
+    ranks (Horovod's averaging all-reduce in :mod:`.node_worker`; every
+    rank calls this at once). A ring all-reduce moves ``2(N-1)/N`` of its
+    buffer through each rank; a float32 buffer of ``numel`` elements costs
+    ``t32`` and a float16 one ``t16``, so the float16 collective's own work
+    per byte moved, over float32's, is::
+
+        t16 / moved16 - t32 / moved32
+
+    timed in ``repeats`` pairs, one collective of each, and the median of the
+    pairs taken (on this project's 2-core hosts one pair varies by half its
+    value; 41 pairs of a million elements take about a second).
+
+    On a CPU this is the reduction and the averaging done element by element
+    in float16 (Horovod's Gloo path converts each element in software: on
+    this project's hosts about 10 ns an element, more than the wire time of
+    its two bytes at 1 Gbit/s); on a GPU with NCCL it is about 0. Never
+    below 0."""
+    if ranks < 2:
+        raise ValueError(f"timing a collective needs at least 2 ranks, got {ranks!r}")
+    moved = 2 * (ranks - 1) / ranks * numel
+    bufs = [torch.ones(numel, dtype=dtype, device=device)
+            for dtype in (torch.float32, torch.float16)]
+
+    def seconds(buf: torch.Tensor) -> float:
+        _sync(device)
+        started = time.perf_counter()
+        allreduce(buf)
+        _sync(device)
+        return time.perf_counter() - started
+    for buf in bufs:
+        allreduce(buf)
+    # In pairs, one after the other, so that a slower moment of the host
+    # weighs on both: the median of the pairs' differences.
+    extra = []
+    for _ in range(repeats):
+        t32, t16 = (seconds(buf) for buf in bufs)
+        extra.append(t16 / (moved * 2) - t32 / (moved * 4))
+    return max(0.0, statistics.median(extra))
+
+
 def _workspace(tensor: CompressedTensor, device: torch.device, gen: torch.Generator):
     """For timing ``tensor``'s steps: a random gradient (and a residual in
     ``tensor``), random orthonormal bases ``qh`` (m x r) and ``ph`` (n x r),
@@ -150,24 +203,32 @@ def _workspace(tensor: CompressedTensor, device: torch.device, gen: torch.Genera
 
 def _time_compression(tensor: CompressedTensor, device: torch.device, repeats: int,
                       gen: torch.Generator, scheme: str = "alternating",
-                      pq_codec=None) -> Dict:
+                      pq_codec=None, adaptive: bool = False) -> Dict:
     """Seconds of ACP-SGD's steps of ``tensor`` on a random gradient, as the
     front ends run them, for the codecs of ``scheme``
     (:data:`hvd_acp.codecs.SCHEMES`): P and Q in turn (``acp_p_s``,
     ``acp_q_s``, their residuals, ``reconstruct_s``) or both factors
     (``acp_pq_s``, ``acp_pq_residual_s``, ``reconstruct_pq_s``; with
     ``pq_codec``, that codec's: the 8-bit one quantizes the factors); and
-    the step-ahead shift and restore (``step_ahead_s``)."""
+    the step-ahead shift and restore (``step_ahead_s``; with ``adaptive``,
+    an Adam-family optimizer's, which first computes Adam's divisor for the
+    residual, :func:`hvd_acp.compression.adaptive_shift_denom`)."""
     lay = tensor.layout
     n, m, r, dtype = lay.n, lay.m, lay.r, lay.dtype
     rand, grad, qh, ph, target = _workspace(tensor, device, gen)
     weight, anchor = rand(n, m), torch.empty(n, m, dtype=dtype, device=device)
 
+    exp_avg_sq = rand(n, m).abs_() if adaptive else None
+
     def step_ahead():
         # StepAhead.apply (keep the true weights, shift by the residual) and
         # StepAhead.restore, as the optimizer runs them around each forward.
         anchor.copy_(weight)
-        weight.sub_(tensor.error, alpha=1e-3)
+        if exp_avg_sq is None:
+            weight.sub_(tensor.error, alpha=1e-3)
+        else:
+            denom = adaptive_shift_denom(tensor.error, exp_avg_sq, 0.999, 10.0, 1e-8)
+            torch.addcdiv(weight, tensor.error, denom, value=-1e-3, out=weight)
         weight.copy_(anchor)
 
     steps = {"step_ahead_s": step_ahead}
@@ -409,7 +470,8 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
                  "psgd_compressed": plain.compressed, "psgd_r": plain.r}
         if lay.compressed:
             tensor = CompressedTensor(lay, gen, dev)
-            entry.update(_time_compression(tensor, dev, repeats, gen, scheme, pq_codec))
+            entry.update(_time_compression(tensor, dev, repeats, gen, scheme, pq_codec,
+                                           adaptive=optimizer_family(optimizer) == "adaptive"))
             p_factors.append(tensor.p)
             q_factors.append(tensor.q)
         if plain.compressed:

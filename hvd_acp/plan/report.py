@@ -185,6 +185,9 @@ def format_plan_md(plan: dict) -> str:
              + ("; host work serial with compute" if cfg.get("host_serial") else "")
              + f"; Horovod cycle "
              f"{cfg['cycle_time_ms']:g} ms; host cost {cfg['host_s_per_byte'] * 1e9:.2f} ns/byte"
+             + (f" (Horovod's float16 collectives {cfg['fp16_reduce_s_per_byte'] * 1e9:.2f} "
+                "ns/byte more, measured by the profile)"
+                if cfg.get("fp16_reduce_s_per_byte") is not None else "")
              + (f"; network stack {cfg['stack_s_per_byte'] * 1e9:.2f} ns/byte at "
                 f"{_fmt_bw(cfg['bandwidth_mbit'][0])} ({cfg['stack_source']})"
                 if cfg.get("stack_source") else "") + "; "
@@ -320,6 +323,7 @@ def write_plan(profile: dict, out: Path, nps: Sequence[int], bandwidths_mbit: Se
         "horovod_negotiation_us": first.horovod_negotiation_s * 1e6,
         "compute_scale": first.compute_scale, "wire_efficiency": first.network.wire_efficiency,
         "host_s_per_byte": first.network.host_s_per_byte,
+        "fp16_reduce_s_per_byte": profile.get("fp16_reduce_s_per_byte"),
         "link_calibration": opts.get("link_source"),
         "stack_s_per_byte": first.network.stack_s_per_byte,
         "stack_source": stack_cost(profile, opts.get("link"), bandwidths_mbit[0], opts)[1],

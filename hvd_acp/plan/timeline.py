@@ -46,7 +46,8 @@ be identical, so a collective starts when this rank has submitted it.
   orthonormalizes P, computes the Q factors, submits the Q buffers at once,
   waits, reconstructs and updates. It has its own rank (``psgd_r``; a
   smaller share under an adaptive optimizer) and its own fp16 casts
-  (``psgd_fp16_wire``), as for ACP-SGD.
+  (``psgd_fp16_wire``), and the same step-ahead shift (``step_ahead_s`` of
+  the matrices it compresses), as for ACP-SGD.
 - **Power-SGD, DDP hook** (``powerSGD_hook`` behind the benchmark's
   one-bucket-at-a-time wrapper): DDP's buckets, no Horovod cycle. When a
   bucket is ready the backward thread waits for the previous bucket's chain,
@@ -71,7 +72,12 @@ be identical, so a collective starts when this rank has submitted it.
   restores as for ``hvd_acp.DistributedOptimizer``.
 
 Collectives of one job run one at a time on the link (Horovod's single
-background thread; Gloo's queue for DDP).
+background thread; Gloo's queue for DDP). A collective Horovod runs in
+float16 (fp16 S-SGD, and ACP-SGD's and Power-SGD's buffers with fp16 on the
+wire) costs the profile's ``fp16_reduce_s_per_byte`` more host work per byte
+moved than a float32 one: Horovod's Gloo path on a CPU reduces and averages
+float16 element by element in software. The DDP hooks' collectives do not
+pay it (torch's Gloo all-reduces float16 as fast as float32 per byte here).
 """
 from __future__ import annotations
 
@@ -166,7 +172,8 @@ class HorovodThread:
     Args:
         cycle_s: cycle time; 0 runs every submission at once.
         fusion_bytes: the largest fused all-reduce.
-        cost: seconds of an all-reduce of so many bytes.
+        cost: seconds of an all-reduce of so many bytes (``cost(bytes)``;
+            ``cost(bytes, True)`` for a float16 one).
         origin: time of one of the cycle's ticks.
         negotiation_s: coordination at the start of a cycle that has work.
     """
@@ -188,8 +195,11 @@ class HorovodThread:
             return self.tick
         return self.tick + math.ceil((at - self.tick) / self.cycle_s - 1e-12) * self.cycle_s
 
-    def submit(self, requests: Sequence[Tuple[float, float]]) -> List[float]:
-        """Finish times of ``(ready time, bytes)`` requests, in their order."""
+    def submit(self, requests: Sequence[Tuple]) -> List[float]:
+        """Finish times of ``(ready time, bytes)`` or ``(ready time, bytes,
+        half)`` requests, in their order. Horovod fuses only tensors of one
+        dtype: a float16 request (``half``) and a float32 one go in separate
+        collectives, the float16 one priced as such (``cost(bytes, half)``)."""
         order = sorted(range(len(requests)), key=lambda i: requests[i][0])
         finish = [0.0] * len(requests)
         k = 0
@@ -200,11 +210,14 @@ class HorovodThread:
                 batch.append(order[k])
                 k += 1
             t = start + self.negotiation_s
-            group, group_bytes = [], 0.0
+            group, group_bytes, group_half = [], 0.0, False
             for i in batch + [None]:
                 nbytes = requests[i][1] if i is not None else 0.0
-                if group and (i is None or group_bytes + nbytes > self.fusion_bytes):
-                    duration = self.cost(group_bytes)
+                half = i is not None and len(requests[i]) > 2 and bool(requests[i][2])
+                if group and (i is None or group_bytes + nbytes > self.fusion_bytes
+                              or half != group_half):
+                    duration = (self.cost(group_bytes, True) if group_half
+                                else self.cost(group_bytes))
                     t += duration
                     self.busy_s += duration
                     self.collectives += 1
@@ -212,6 +225,7 @@ class HorovodThread:
                         finish[j] = t
                     group, group_bytes = [], 0.0
                 if i is not None:
+                    group_half = half
                     group.append(i)
                     group_bytes += nbytes
             self.tick = max(start + self.cycle_s, t) if self.cycle_s > 0 else t
@@ -219,20 +233,29 @@ class HorovodThread:
 
 
 class _Costs:
-    """Collective durations, and the host work set aside when it is serial."""
+    """Collective durations, and the host work set aside when it is serial.
 
-    def __init__(self, settings: Settings, scale: float):
+    A float16 collective (``half``) costs the profile's
+    ``fp16_reduce_s_per_byte`` more host work per byte moved (0 in a profile
+    that did not measure it)."""
+
+    def __init__(self, settings: Settings, scale: float, profile: Optional[dict] = None):
         self.np = settings.np
         self.full = settings.network.scaled_host(scale)
+        extra = (profile or {}).get("fp16_reduce_s_per_byte", 0.0) * scale
+        self.half = dataclasses.replace(self.full,
+                                        host_s_per_byte=self.full.host_s_per_byte + extra)
         self.serial = settings.host_serial
-        self.wire = self.full.wire_only() if self.serial else self.full
+        self.wire = self.full.wire_only() if self.serial else None
         self.host_s = 0.0
 
-    def __call__(self, nbytes: float) -> float:
-        if self.serial:
-            self.host_s += (allreduce_s(nbytes, self.np, self.full)
-                            - allreduce_s(nbytes, self.np, self.wire))
-        return allreduce_s(nbytes, self.np, self.wire)
+    def __call__(self, nbytes: float, half: bool = False) -> float:
+        full = self.half if half else self.full
+        if not self.serial:
+            return allreduce_s(nbytes, self.np, full)
+        wire = allreduce_s(nbytes, self.np, self.wire)
+        self.host_s += allreduce_s(nbytes, self.np, full) - wire
+        return wire
 
 
 def _horovod_thread(settings: Settings, costs, origin: float) -> HorovodThread:
@@ -317,7 +340,7 @@ def _bucket_cast_s(profile: dict, bucket: dict, cast: float) -> float:
 
 def _predict_ssgd(profile, settings, origin, fp16: bool = False) -> StepPrediction:
     s = settings.compute_scale
-    costs = _Costs(settings, s)
+    costs = _Costs(settings, s, profile)
     thread = _horovod_thread(settings, costs, origin)
     start = profile["forward_s"] * s
     params = _backward_order(profile)
@@ -329,7 +352,8 @@ def _predict_ssgd(profile, settings, origin, fp16: bool = False) -> StepPredicti
         # As S-SGD was predicted (and validated) before fp16: backward ends at
         # its measured end, not at its last gradient's hook where that is later.
         bwd_end = start + profile["backward_s"] * s
-    finish = thread.submit([(done[p["name"]], _wire_bytes(p["bytes"], fp16)) for p in params])
+    finish = thread.submit([(done[p["name"]], _wire_bytes(p["bytes"], fp16), fp16)
+                            for p in params])
     total = sum(p["bytes"] for p in params)
     end = (max([bwd_end] + finish) + cast * total * s + profile["optimizer_s"] * s
            + costs.host_s)
@@ -392,7 +416,7 @@ def _recon_key(phase: str) -> str:
 
 def _predict_acp_phase(profile, settings, origin, phase: str) -> StepPrediction:
     s = settings.compute_scale
-    costs = _Costs(settings, s)
+    costs = _Costs(settings, s, profile)
     params = _by_name(profile)
     key = f"acp_{phase.lower()}_s"
     orth = profile["orthonormalize_s"]["acp_" + phase.lower()]
@@ -409,7 +433,7 @@ def _predict_acp_phase(profile, settings, origin, phase: str) -> StepPrediction:
         buckets, cast)
     thread = _horovod_thread(settings, costs, origin)
     launched = _launch_times(buckets, done, profile, params, key, s)
-    finish = thread.submit([(at, _bucket_wire_bytes(b, fp16))
+    finish = thread.submit([(at, _bucket_wire_bytes(b, fp16), fp16 and not b.get("lanes"))
                             for at, b in zip(launched, buckets)])
     t, recon = bwd_end, 0.0
     for bucket, arrived in zip(buckets, finish):
@@ -440,32 +464,35 @@ def _psgd_reconstruct_s(param: dict) -> float:
 
 def _predict_powersgd(profile, settings, origin) -> StepPrediction:
     s = settings.compute_scale
-    costs = _Costs(settings, s)
+    costs = _Costs(settings, s, profile)
     params = _by_name(profile)
     fp16 = bool(profile.get("psgd_fp16_wire", False))
     cast = _cast_s_per_byte(profile, fp16)
     p_buckets, q_buckets = profile["buckets"]["psgd_p"], profile["buckets"]["psgd_q"]
-    start = profile["forward_s"] * s
+    # Step-ahead error feedback, as ACP-SGD's (the shift depends on the
+    # matrix, not its rank): before the forward pass and in step().
+    shift = sum(p.get("step_ahead_s", 0.0) for p in params.values() if _psgd_compressed(p)) * s
+    start = profile["forward_s"] * s + shift
 
     done, bwd_end = _backward_casting(
         profile, s, start, 0.0,
         lambda p: p.get("psgd_p_s", 0.0) if _psgd_compressed(p) else 0.0, p_buckets, cast)
     thread = _horovod_thread(settings, costs, origin)
-    finish = thread.submit([(max(done[n] for n in b["members"]), _wire_bytes(b["bytes"], fp16))
-                            for b in p_buckets])
+    finish = thread.submit([(max(done[n] for n in b["members"]), _wire_bytes(b["bytes"], fp16),
+                             fp16) for b in p_buckets])
     compressed = [p for p in params.values() if _psgd_compressed(p)]
     p_bytes = sum(b["bytes"] for b in p_buckets)
     q_bytes = sum(b["bytes"] for b in q_buckets)
     middle = (profile["orthonormalize_s"]["psgd"] + sum(p["psgd_q_s"] for p in compressed)
               + cast * (p_bytes + q_bytes)) * s
     t = max([bwd_end] + finish) + middle
-    finish = thread.submit([(t, _wire_bytes(b["bytes"], fp16)) for b in q_buckets])
+    finish = thread.submit([(t, _wire_bytes(b["bytes"], fp16), fp16) for b in q_buckets])
     recon = (sum(_psgd_reconstruct_s(p) for p in compressed)
              + cast * q_bytes) * s
     t = max([t] + finish) + recon + profile["optimizer_s"] * s + costs.host_s
     compute = _compute_s(profile, s)
-    compression = (sum(p["psgd_p_s"] for p in compressed) * s + cast * p_bytes * s + middle
-                   + recon)
+    compression = (shift + sum(p["psgd_p_s"] for p in compressed) * s + cast * p_bytes * s
+                   + middle + recon)
     nbytes = _wire_bytes(p_bytes + q_bytes, fp16)
     return StepPrediction(t, compute, compression, t - compute - compression, nbytes,
                           thread.collectives, thread.busy_s)
@@ -534,6 +561,11 @@ def _ddp_factors(profile: dict, phase: str):
 
 def _predict_acp_ddp_phase(profile, settings, phase: str) -> StepPrediction:
     s = settings.ddp_compute_scale or settings.compute_scale
+    # The DDP ranks compute faster without Horovod's thread; the hook's
+    # compression does not (measured at 0.9-1.25x hvd_acp's on the
+    # validation runs, never the compute's 0.8-0.9x): it keeps the
+    # compute scale of the profile's kernels.
+    c = settings.compute_scale
     costs = _Costs(settings, s)
     params = _by_name(profile)
     key = f"acp_{phase.lower()}_s"
@@ -546,7 +578,7 @@ def _predict_acp_ddp_phase(profile, settings, phase: str) -> StepPrediction:
     lanes_s = profile.get("lanes_s_per_element", 0.0)
     n_compressed = sum(1 for p in params.values() if is_compressed(p)) or 1
     orth = profile["orthonormalize_s"]["acp_" + phase.lower()]
-    step_ahead = _compressed_s(params, "step_ahead_s") * s
+    step_ahead = _compressed_s(params, "step_ahead_s") * c
     start = profile["forward_s"] * s + step_ahead
     delay, link_free, arrived, compression = 0.0, -math.inf, -math.inf, step_ahead
     nbytes, collectives, busy, last_ready = 0.0, 0, 0.0, -math.inf
@@ -568,14 +600,14 @@ def _predict_acp_ddp_phase(profile, settings, phase: str) -> StepPrediction:
         # before the launch, and back when it arrives.
         hook = (orth * len(comp) / n_compressed
                 + sum(p.get(key, p.get("psgd_p_s", 0.0)) for p in comp) + cast * size
-                + convert) * s
+                + convert) * c
         delay += hook
         duration = sum(costs(part) for part in parts)
         # The last compressed member's residual runs after the launch.
-        owed = _owed_s(comp[-1], key) * s if comp else 0.0
+        owed = _owed_s(comp[-1], key) * c if comp else 0.0
         link_free = max(ready + hook - owed, link_free) + duration
         recon = (sum(p.get(_recon_key(phase), 0.0) for p in comp) + cast * size
-                 + convert) * s
+                 + convert) * c
         arrived = max(arrived, link_free) + recon
         compression += hook + recon
         nbytes += sum(parts)
