@@ -68,7 +68,7 @@ def _launch(library: str, np: int, numel: int, repeats: int, tmp: Path) -> dict:
     if library == "horovod":
         cmd = [str(BIN / "horovodrun"), "-np", str(np), sys.executable, *args]
     else:
-        cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(np), *args]
+        cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(np), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     subprocess.run(cmd, check=True, env=env, timeout=900, cwd=REPO,
                    stdout=subprocess.DEVNULL)

@@ -301,6 +301,23 @@ def test_the_ddp_hooks_compression_keeps_the_profiles_compute_scale():
     assert faster.compute_s == pytest.approx(same.compute_s / 2)
 
 
+def test_the_ddp_hooks_kernels_add_up_to_its_measured_compression():
+    """``ddp_hook_compression_s`` (the hook run for real) scales the hook's
+    kernels so that they add up to it; the step-ahead shift, which the
+    optimizer runs outside the hook, keeps its own time."""
+    params = [{"name": "a", "bytes": 4e6, "ready_s": 0.5, "ddp_compressed": True,
+               "compressed": True, "acp_p_s": 0.1, "acp_q_s": 0.2, "reconstruct_s": 0.05,
+               "step_ahead_s": 0.02, "ddp_p_bytes": 1e6, "ddp_q_bytes": 2e6}]
+    prof = synthetic(params, backward=1.0, optimizer=0.0, ddp=[["a"]])
+    settings = Settings(np=2, network=net())
+    plain = predict_methods(prof, settings, ["acp-ddp"])["acp-ddp"]
+    hook = plain.compression_s - 0.02
+    measured = dict(prof, ddp_hook_compression_s=2 * hook)
+    scaled = predict_methods(measured, settings, ["acp-ddp"])["acp-ddp"]
+    assert scaled.compression_s == pytest.approx(0.02 + 2 * hook)
+    assert scaled.step_s > plain.step_s
+
+
 def test_powersgd_ddp_chain_blocks_backward():
     params = [{"name": "a", "bytes": 4e6, "ready_s": 0.5, "ddp_compressed": True,
                "psgd_p_s": 0.1, "psgd_q_s": 0.1, "ddp_p_bytes": 1e6, "ddp_q_bytes": 1e6},
@@ -485,6 +502,9 @@ def test_profile_model_under_adamw_times_the_adaptive_defaults(monkeypatch):
     prof = profile_model(model, batch, _tiny_loss, optimizer=adamw, steps=1, repeats=1)
     compressed = [tuple(p["shape"]) for p in prof["params"] if p["compressed"]]
     assert compressed and set(divisors) == set(compressed)
+    # The DDP hook, run for real in a one-rank group (and the group gone after).
+    import torch.distributed as dist
+    assert prof["ddp_hook_compression_s"] > 0 and not dist.is_initialized()
     assert (prof["optimizer"], prof["optimizer_family"]) == ("AdamW", "adaptive")
     assert prof["scheme"] == "both" and prof["fp16_wire"] and prof["psgd_fp16_wire"]
     assert (prof["matrix_rank"], prof["psgd_matrix_rank"]) == (0.3, 0.25)

@@ -35,6 +35,10 @@ Measured in one process, no communication:
   (copy into the fusion buffer, add a peer's chunk, copy out);
 - ``fp16_cast_s_per_byte``: a float32 buffer's cast to float16 and back,
   per float32 byte (fp16 on the wire, and fp16 S-SGD);
+- ``ddp_hook_compression_s`` (CPU profiles): the compression a step of
+  :func:`hvd_acp.ddp.acp_hook` run for real in a one-rank Gloo group, its
+  bucket packing and copies included (the timeline scales the hook's
+  kernels by it);
 - ``fp16_reduce_s_per_byte`` (profiles of two or more ranks at once with
   Horovod, :mod:`.node`): what a float16 all-reduce costs per byte moved
   beyond a float32 one (:func:`fp16_reduce_s_per_byte`), charged to the
@@ -289,6 +293,50 @@ def _lanes_s_per_element(device: torch.device, repeats: int, numel: int = 1 << 2
     return _timed(work, device, repeats) / numel
 
 
+def _ddp_hook_compression_s(model: nn.Module, batch, loss_fn: Callable,
+                            optimizer: torch.optim.Optimizer, given: Settings,
+                            device: torch.device, steps: int, warmup: int) -> Optional[float]:
+    """Seconds of compression a step of :func:`hvd_acp.ddp.acp_hook`, run for
+    real: a copy of ``model`` in ``DistributedDataParallel`` over a one-rank
+    Gloo group, the hook registered with ``given``'s settings and a fresh
+    optimizer of ``optimizer``'s class, ``warmup`` untimed and ``steps``
+    timed steps; the median of ``ACPState.compression_seconds`` a step. The
+    hook packs and copies each bucket, which the kernels timed above do not
+    include. None on a GPU, or where this process already belongs to a
+    ``torch.distributed`` group (it is left alone)."""
+    import copy
+    import tempfile
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from ..ddp import ACPState, acp_hook
+    if device.type != "cpu" or not dist.is_available() or dist.is_initialized():
+        return None
+    twin = copy.deepcopy(model)
+    # The same class and hyperparameters (the first group's), on the copy.
+    hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    twin_optimizer = type(optimizer)(twin.parameters(), lr=hyper.get("lr", 1e-3))
+    for group in twin_optimizer.param_groups:
+        group.update({k: v for k, v in hyper.items() if k in group})
+    per_step = []
+    with tempfile.TemporaryDirectory(prefix="hvd-acp-profile-ddp-") as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0,
+                                world_size=1)
+        try:
+            ddp = DistributedDataParallel(twin)
+            state = ACPState(settings=given, optimizer=twin_optimizer)
+            ddp.register_comm_hook(state, acp_hook)
+            for step in range(warmup + steps):
+                before = state.compression_seconds
+                twin_optimizer.zero_grad(set_to_none=True)
+                loss_fn(ddp, batch).backward()
+                twin_optimizer.step()
+                if step >= warmup:
+                    per_step.append(state.compression_seconds - before)
+        finally:
+            dist.destroy_process_group()
+    return statistics.median(per_step)
+
+
 def alone_conditions(device: torch.device) -> dict:
     """The ``conditions`` of a profile measured in this process alone
     (:class:`.conditions.NodeConditions`)."""
@@ -499,6 +547,8 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
 
     by_name = dict(named)
     arrived = timed["order"] + [n for n, _ in reversed(named) if not ready[n]]
+    hook_s = _ddp_hook_compression_s(model, batch, loss_fn, optimizer, given, dev,
+                                     max(steps, 2), max(warmup, 1))
     return {
         "format": PROFILE_FORMAT,
         "description": description or type(model).__name__,
@@ -536,6 +586,7 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
         "buckets": bucket_plans(layouts, fusion_threshold_bytes, psgd_layouts,
                                 bool(settings.int8_factors)),
         "ddp_buckets": ddp_buckets([(n, by_name[n].numel(), by_name[n].dtype) for n in arrived]),
+        **({"ddp_hook_compression_s": hook_s} if hook_s is not None else {}),
         "conditions": dict(conditions) if conditions else alone_conditions(dev),
     }
 

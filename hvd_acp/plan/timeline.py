@@ -69,7 +69,9 @@ be identical, so a collective starts when this rank has submitted it.
   (the hook's float16 copy of the payload and back); with ``int8_factors``
   a bucket's factors travel as 8-bit lanes in one all-reduce and its other
   tensors in a second, one after the other on the link; step-ahead shifts and
-  restores as for ``hvd_acp.DistributedOptimizer``.
+  restores as for ``hvd_acp.DistributedOptimizer``. The hook's kernels are
+  scaled so that they add up to the hook's compression run for real
+  (``ddp_hook_compression_s``), where the profile measured it.
 
 Collectives of one job run one at a time on the link (Horovod's single
 background thread; Gloo's queue for DDP). A collective Horovod runs in
@@ -559,13 +561,14 @@ def _ddp_factors(profile: dict, phase: str):
     return (lambda p: bool(p["ddp_compressed"])), (lambda p: p[key])
 
 
-def _predict_acp_ddp_phase(profile, settings, phase: str) -> StepPrediction:
+def _predict_acp_ddp_phase(profile, settings, phase: str,
+                           hook_scale: float = 1.0) -> StepPrediction:
     s = settings.ddp_compute_scale or settings.compute_scale
     # The DDP ranks compute faster without Horovod's thread; the hook's
     # compression does not (measured at 0.9-1.25x hvd_acp's on the
     # validation runs, never the compute's 0.8-0.9x): it keeps the
-    # compute scale of the profile's kernels.
-    c = settings.compute_scale
+    # compute scale of the profile's kernels, times ``hook_scale``.
+    c = settings.compute_scale * hook_scale
     costs = _Costs(settings, s)
     params = _by_name(profile)
     key = f"acp_{phase.lower()}_s"
@@ -578,7 +581,7 @@ def _predict_acp_ddp_phase(profile, settings, phase: str) -> StepPrediction:
     lanes_s = profile.get("lanes_s_per_element", 0.0)
     n_compressed = sum(1 for p in params.values() if is_compressed(p)) or 1
     orth = profile["orthonormalize_s"]["acp_" + phase.lower()]
-    step_ahead = _compressed_s(params, "step_ahead_s") * c
+    step_ahead = _compressed_s(params, "step_ahead_s") * settings.compute_scale
     start = profile["forward_s"] * s + step_ahead
     delay, link_free, arrived, compression = 0.0, -math.inf, -math.inf, step_ahead
     nbytes, collectives, busy, last_ready = 0.0, 0, 0.0, -math.inf
@@ -620,6 +623,22 @@ def _predict_acp_ddp_phase(profile, settings, phase: str) -> StepPrediction:
                           collectives, busy)
 
 
+def _ddp_hook_scale(profile: dict, settings: Settings) -> float:
+    """The DDP hook's compression as run for real (the profile's
+    ``ddp_hook_compression_s``) over what its kernels add up to in this
+    timeline at the profile's own scale; 1 in a profile without it."""
+    measured = profile.get("ddp_hook_compression_s")
+    if not measured:
+        return 1.0
+    unit = dataclasses.replace(settings, compute_scale=1.0, ddp_compute_scale=1.0)
+    # What the hook's own clock counts: its compression less the step-ahead
+    # shift, which the optimizer runs outside the hook.
+    modeled = (_mean([_predict_acp_ddp_phase(profile, unit, ph)
+                      for ph in _acp_phases(profile)]).compression_s
+               - _compressed_s(_by_name(profile), "step_ahead_s"))
+    return measured / modeled if modeled > 0 else 1.0
+
+
 def _mean(preds: Sequence[StepPrediction]) -> StepPrediction:
     fields = [f.name for f in dataclasses.fields(StepPrediction)]
     return StepPrediction(**{f: sum(getattr(p, f) for p in preds) / len(preds) for f in fields})
@@ -638,8 +657,9 @@ _PREDICTORS = {
     "acp": lambda profile, settings: _mean([_predict_acp_phase(profile, settings, o, ph)
                                             for o in _phases(settings)
                                             for ph in _acp_phases(profile)]),
-    "acp-ddp": lambda profile, settings: _mean([_predict_acp_ddp_phase(profile, settings, ph)
-                                                for ph in _acp_phases(profile)]),
+    "acp-ddp": lambda profile, settings: _mean([
+        _predict_acp_ddp_phase(profile, settings, ph, _ddp_hook_scale(profile, settings))
+        for ph in _acp_phases(profile)]),
 }
 #: Methods predicted: those of :mod:`hvd_acp.methods` without a
 #: ``not_predicted`` reason, in report order; each has its simulation above.
