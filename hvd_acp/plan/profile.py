@@ -507,6 +507,7 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
     pq_codec = settings.codecs(2)[0] if settings.int8_factors else None
     hook_rank = psgd_rank if isinstance(psgd_rank, int) else torch_hook_rank(model, optimizer)
     gen = torch.Generator().manual_seed(0)
+    adaptive = optimizer_family(optimizer) == "adaptive"
     params = []
     p_factors, q_factors, psgd_p_factors = [], [], []
     for (name, p), lay, plain in zip(named, layouts, psgd_layouts):
@@ -519,7 +520,7 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
         if lay.compressed:
             tensor = CompressedTensor(lay, gen, dev)
             entry.update(_time_compression(tensor, dev, repeats, gen, scheme, pq_codec,
-                                           adaptive=optimizer_family(optimizer) == "adaptive"))
+                                           adaptive=adaptive))
             p_factors.append(tensor.p)
             q_factors.append(tensor.q)
         if plain.compressed:

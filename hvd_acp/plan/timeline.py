@@ -639,6 +639,13 @@ def _ddp_hook_scale(profile: dict, settings: Settings) -> float:
     return measured / modeled if modeled > 0 else 1.0
 
 
+def _predict_acp_ddp(profile, settings) -> StepPrediction:
+    """The DDP hook's steps, its kernels scaled once to its measured compression."""
+    hook_scale = _ddp_hook_scale(profile, settings)
+    return _mean([_predict_acp_ddp_phase(profile, settings, ph, hook_scale)
+                  for ph in _acp_phases(profile)])
+
+
 def _mean(preds: Sequence[StepPrediction]) -> StepPrediction:
     fields = [f.name for f in dataclasses.fields(StepPrediction)]
     return StepPrediction(**{f: sum(getattr(p, f) for p in preds) / len(preds) for f in fields})
@@ -657,9 +664,7 @@ _PREDICTORS = {
     "acp": lambda profile, settings: _mean([_predict_acp_phase(profile, settings, o, ph)
                                             for o in _phases(settings)
                                             for ph in _acp_phases(profile)]),
-    "acp-ddp": lambda profile, settings: _mean([
-        _predict_acp_ddp_phase(profile, settings, ph, _ddp_hook_scale(profile, settings))
-        for ph in _acp_phases(profile)]),
+    "acp-ddp": lambda profile, settings: _predict_acp_ddp(profile, settings),
 }
 #: Methods predicted: those of :mod:`hvd_acp.methods` without a
 #: ``not_predicted`` reason, in report order; each has its simulation above.
