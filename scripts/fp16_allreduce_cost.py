@@ -39,6 +39,7 @@ def _worker(library: str, numel: int, repeats: int, out: Path) -> None:
 
         def allreduce(t):
             hvd.allreduce_(t, op=hvd.Average, name=f"cost.{t.dtype}")
+        close = hvd.shutdown
     else:
         import torch.distributed as dist
         dist.init_process_group("gloo")
@@ -47,6 +48,9 @@ def _worker(library: str, numel: int, repeats: int, out: Path) -> None:
         def allreduce(t):
             dist.all_reduce(t)
             t.div_(size)
+        # Gloo's threads must be stopped before the interpreter exits, or
+        # the process can abort ("terminate called without an active exception").
+        close = dist.destroy_process_group
     bufs = {str(dt).replace("torch.", ""): torch.ones(numel, dtype=dt)
             for dt in (torch.float32, torch.float16)}
     for buf in bufs.values():
@@ -59,6 +63,7 @@ def _worker(library: str, numel: int, repeats: int, out: Path) -> None:
             times[name].append(time.perf_counter() - started)
     if rank == 0:
         out.write_text(json.dumps({"size": size, "numel": numel, "times": times}))
+    close()
 
 
 def _launch(library: str, np: int, numel: int, repeats: int, tmp: Path) -> dict:
