@@ -301,6 +301,24 @@ def test_the_ddp_hooks_compression_keeps_the_profiles_compute_scale():
     assert faster.compute_s == pytest.approx(same.compute_s / 2)
 
 
+def test_a_profile_of_an_optimizer_it_cannot_build_again_skips_the_real_hook():
+    """The real hook runs on a copy with a fresh optimizer of the user's
+    class; where that class takes more than (params, lr) the profile is
+    still made, without ``ddp_hook_compression_s``."""
+    from hvd_acp.plan import profile_model
+
+    class Scaled(torch.optim.AdamW):
+        def __init__(self, params, scale, lr=1e-3):
+            super().__init__(params, lr=lr * scale)
+    torch.manual_seed(0)
+    model = Tiny()
+    batch = (torch.randn(16, 64), torch.randint(0, 10, (16,)))
+    prof = profile_model(model, batch, _tiny_loss, optimizer=Scaled(model.parameters(), 2.0),
+                         steps=1, repeats=1)
+    assert prof["optimizer"] == "Scaled" and "ddp_hook_compression_s" not in prof
+    assert predict_methods(prof, Settings(np=2, network=net()), ["acp-ddp"])["acp-ddp"].step_s > 0
+
+
 def test_the_ddp_hooks_kernels_add_up_to_its_measured_compression():
     """``ddp_hook_compression_s`` (the hook run for real) scales the hook's
     kernels so that they add up to it; the step-ahead shift, which the

@@ -302,8 +302,9 @@ def _ddp_hook_compression_s(model: nn.Module, batch, loss_fn: Callable,
     optimizer of ``optimizer``'s class, ``warmup`` untimed and ``steps``
     timed steps; the median of ``ACPState.compression_seconds`` a step. The
     hook packs and copies each bucket, which the kernels timed above do not
-    include. None on a GPU, or where this process already belongs to a
-    ``torch.distributed`` group (it is left alone)."""
+    include. None on a GPU, where this process already belongs to a
+    ``torch.distributed`` group (it is left alone), or where the optimizer's
+    class cannot be built again as ``Class(params, lr=...)``."""
     import copy
     import tempfile
     import torch.distributed as dist
@@ -314,7 +315,13 @@ def _ddp_hook_compression_s(model: nn.Module, batch, loss_fn: Callable,
     twin = copy.deepcopy(model)
     # The same class and hyperparameters (the first group's), on the copy.
     hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
-    twin_optimizer = type(optimizer)(twin.parameters(), lr=hyper.get("lr", 1e-3))
+    try:
+        twin_optimizer = type(optimizer)(twin.parameters(), lr=hyper.get("lr", 1e-3))
+    except TypeError as error:
+        logger.info("the DDP hook is not run: %s(params, lr=...) cannot be built (%s); its "
+                    "compression is priced from the kernels alone", type(optimizer).__name__,
+                    error)
+        return None
     for group in twin_optimizer.param_groups:
         group.update({k: v for k, v in hyper.items() if k in group})
     per_step = []
