@@ -14,6 +14,10 @@
                     column in the same all-reduce would carry, identical on every worker): times
                     grow where any worker clipped it, times shrink where none did, within
                     [low, high]
+  {"int8": kappa, "own": 1}
+                    the step kappa * (the workers' own column maxima of the step before,
+                    averaged) / L instead of the last average's (an integer per column in
+                    the same all-reduce would carry the sum)
   --method tsr      the TSR-style baseline (run_tsr: core all-reduce, sketched refresh, Adam in
                     the core)
 Screened (seed 0, 4 workers, 3 layers, batch 16, 300 steps, AdamW lr 1e-2, S-SGD's best of
@@ -263,6 +267,9 @@ class Compressor:
             Qh, Ph = orth(self.Q), orth(self.P)
             Ploc = [s @ Qh for s in S]
             Qloc = [s.t() @ Ph for s in S]
+            if o.get("own"):
+                own_p = sum(x.abs().amax(0) for x in Ploc) / self.n
+                own_q = sum(x.abs().amax(0) for x in Qloc) / self.n
             if self.step > 0:
                 L = 127 // self.n
                 kappa = float(o["int8"])
@@ -270,8 +277,13 @@ class Compressor:
                     self.hp = torch.full((self.r,), kappa)
                     self.hq = torch.full((self.r,), kappa)
                 hp, hq = (self.hp, self.hq) if o.get("adapt") else (kappa, kappa)
-                dp = (hp * self.P.abs().amax(0) / L).clamp_min(1e-30)
-                dq = (hq * self.Q.abs().amax(0) / L).clamp_min(1e-30)
+                if o.get("own") and hasattr(self, "own_p"):
+                    # the workers' own column maxima of the step before, averaged
+                    dp = (hp * self.own_p / L).clamp_min(1e-30)
+                    dq = (hq * self.own_q / L).clamp_min(1e-30)
+                else:
+                    dp = (hp * self.P.abs().amax(0) / L).clamp_min(1e-30)
+                    dq = (hq * self.Q.abs().amax(0) / L).clamp_min(1e-30)
                 if o.get("adapt"):
                     grow, shrink, low, high = o["adapt"]
                     for h, loc, d in ((self.hp, Ploc, dp), (self.hq, Qloc, dq)):
@@ -281,6 +293,8 @@ class Compressor:
                 Ploc = [(x / dp).round().clamp(-L, L) * dp for x in Ploc]
                 Qloc = [(x / dq).round().clamp(-L, L) * dq for x in Qloc]
                 fl = fl / 2
+            if o.get("own"):
+                self.own_p, self.own_q = own_p, own_q
             P, Qn = sum(Ploc) / self.n, sum(Qloc) / self.n
             Gs = Ph @ Qn.t() + P @ Qh.t() - Ph @ (Ph.t() @ P) @ Qh.t()
             self.P, self.Q = P, Qn
