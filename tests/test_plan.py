@@ -1088,3 +1088,27 @@ def test_the_defaults_table_of_planner_md_is_what_plan_vs_bench_writes(monkeypat
         assert set(run["methods"]) == {"ssgd", "ssgd-fp16", "powersgd", "acp", "acp-ddp"}
         for method, row in run["methods"].items():
             assert row["measured_step_s"] == bench["methods"][method]["step_s_median"]
+
+
+def test_a_profile_times_steps_until_they_add_up_to_its_minimum():
+    """A small model's few steps are too short a sample on a busy host: the
+    profile times more of them until they add up to ``min_timed_s``, never
+    fewer than asked and never more than ``MAX_TIMED_STEPS``."""
+    from hvd_acp.plan.profile import MAX_TIMED_STEPS, time_training_steps
+    model = nn.Linear(8, 4)
+    batch = torch.randn(16, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loss_fn(m, b):
+        time.sleep(0.01)
+        return m(b).square().mean()
+    cpu = torch.device("cpu")
+    exact = time_training_steps(model, batch, loss_fn, opt, cpu, 2, 1, min_timed_s=0.0)
+    assert len(exact["forward_s"]) == 2
+    more = time_training_steps(model, batch, loss_fn, opt, cpu, 2, 1, min_timed_s=0.1)
+    steps = [f + b + u for f, b, u in zip(more["forward_s"], more["backward_s"],
+                                          more["optimizer_s"])]
+    assert 2 < len(steps) < MAX_TIMED_STEPS and sum(steps) >= 0.1
+    assert sum(steps[:-1]) < 0.1            # it stops once they add up
+    capped = time_training_steps(model, batch, loss_fn, opt, cpu, 2, 0, min_timed_s=60.0)
+    assert len(capped["forward_s"]) == MAX_TIMED_STEPS

@@ -158,4 +158,8 @@ def describe_conditions(profile: dict) -> str:
                      f"({cond['ddp_compute_scale']:.2f}x)")
     else:
         text += ", without Horovod's background thread"
+    steps = cond.get("per_rank_step_s") or []
+    if "profiled_rank" in cond and len(steps) > 1:
+        text += (f"; the slowest rank's kernels (rank {cond['profiled_rank']}, "
+                 f"{max(steps) / min(steps):.2f}x the fastest's step)")
     return text

@@ -79,7 +79,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         torch.cuda.set_device(torch.device(device))
 
     from .models import build_model, build_optimizer, to_device
-    from .profile import profile_builtin, time_training_steps
+    from .profile import MIN_TIMED_S, profile_builtin, time_training_steps
     from .units import matrix_rank_type
     matrix_rank = None if args.matrix_rank is None else matrix_rank_type(args.matrix_rank)
     spec = build_model(args.model, args.batch_size, image_size=args.image_size,
@@ -95,14 +95,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                               int8_factors=args.int8_factors or None, budget=args.budget)
     result["window"] = [started, time.time()]
     result["step_s"] = profile["forward_s"] + profile["backward_s"] + profile["optimizer_s"]
-    if rank == 0:
-        result["profile"] = profile
+    result["profile"] = profile     # every rank's: the node keeps the slowest one's
     dev = torch.device(device)
     model, batch = spec.model.to(dev), to_device(spec.batch, dev)
     optimizer = build_optimizer(args.optimizer, model.parameters())
 
-    def train(steps: int, warmup: int) -> dict:
-        return time_training_steps(model, batch, spec.loss_fn, optimizer, dev, steps, warmup)
+    def train(steps: int, warmup: int, min_timed_s: float = MIN_TIMED_S) -> dict:
+        return time_training_steps(model, batch, spec.loss_fn, optimizer, dev, steps, warmup,
+                                   min_timed_s=min_timed_s)
     _finish(args.dir, "done", rank, size, train)
     if args.horovod and size > 1:
         # Every rank at once, after the last rank's training: what a float16
@@ -132,7 +132,7 @@ def _finish(directory: Path, prefix: str, rank: int, size: int, train) -> None:
     (directory / f"{prefix}.{rank}").touch()
     deadline = time.monotonic() + WAIT_S
     while not _all_there(directory, prefix, size) and time.monotonic() < deadline:
-        train(1, 0)
+        train(1, 0, 0.0)
 
 
 if __name__ == "__main__":

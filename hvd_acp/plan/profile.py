@@ -2,7 +2,9 @@
 
 Measured in one process, no communication:
 
-- ``forward_s``, ``backward_s``, ``optimizer_s``: medians over the timed steps;
+- ``forward_s``, ``backward_s``, ``optimizer_s``: medians over the timed steps
+  (``timed_steps``: at least ``steps``, more until they add up to
+  :data:`MIN_TIMED_S` seconds);
 - per parameter, ``ready_s``: when in backward its gradient is accumulated
   (a post-accumulate-grad hook; on CUDA the hook synchronizes the device
   first, so the time is when the kernels are done);
@@ -352,10 +354,21 @@ def alone_conditions(device: torch.device) -> dict:
                           alone=True).as_dict()
 
 
+#: A profile times training steps until they add up to this many seconds
+#: (at least ``steps`` of them, at most :data:`MAX_TIMED_STEPS`): three steps
+#: of a small model are a fifth of a second, where one burst of another
+#: process on a 2-core host moved a rank's median by half.
+MIN_TIMED_S = 2.0
+MAX_TIMED_STEPS = 50
+
+
 def time_training_steps(model: nn.Module, batch, loss_fn: Callable,
                         optimizer: torch.optim.Optimizer, device: torch.device, steps: int,
-                        warmup: int, named: Optional[Sequence[tuple]] = None) -> dict:
-    """Time ``warmup + steps`` training steps (the last ``steps`` of them).
+                        warmup: int, named: Optional[Sequence[tuple]] = None,
+                        min_timed_s: float = MIN_TIMED_S) -> dict:
+    """Time ``warmup + steps`` training steps (the last ``steps`` of them),
+    and more until the timed steps add up to ``min_timed_s`` seconds (at
+    most :data:`MAX_TIMED_STEPS`, never fewer than ``steps``).
 
     Returns ``forward_s``, ``backward_s`` and ``optimizer_s`` (a list each,
     seconds per timed step); with ``named`` ((name, parameter) pairs) also
@@ -377,8 +390,12 @@ def time_training_steps(model: nn.Module, batch, loss_fn: Callable,
     handles = [p.register_post_accumulate_grad_hook(make_hook(n)) for n, p in named]
     forward, backward, update, order = [], [], [], []
     try:
-        for step in range(warmup + steps):
+        step = 0
+        while (step < warmup + steps
+               or (sum(forward) + sum(backward) + sum(update) < min_timed_s
+                   and len(forward) < max(steps, MAX_TIMED_STEPS))):
             timed = step >= warmup
+            step += 1
             optimizer.zero_grad(set_to_none=True)
             _sync(device)
             t0 = time.perf_counter()
@@ -580,7 +597,7 @@ def profile_model(model: nn.Module, example_batch, loss_fn: Callable, *, matrix_
         "psgd_fp16_wire": bool(psgd_settings.fp16_wire),
         "fusion_threshold_bytes": fusion_threshold_bytes,
         "min_compression_rate": min_compression_rate,
-        "steps": steps, "warmup": warmup, "repeats": repeats,
+        "steps": steps, "timed_steps": len(timed["forward_s"]), "warmup": warmup, "repeats": repeats,
         "forward_s": statistics.median(timed["forward_s"]),
         "backward_s": statistics.median(timed["backward_s"]),
         "optimizer_s": statistics.median(timed["optimizer_s"]),
