@@ -14,6 +14,9 @@
                     column in the same all-reduce would carry, identical on every worker): times
                     grow where any worker clipped it, times shrink where none did, within
                     [low, high]
+  {"int8": kappa, "digit_max": D, "lane_bytes": b}
+                    wider lanes: L = D // n levels a worker, b bytes an element on the wire
+                    (three 10-bit lanes to an int32 word: D 511, b 4/3)
   {"int8": kappa, "own": 1}
                     the step kappa * (the workers' own column maxima of the step before,
                     averaged) / L instead of the last average's (an integer per column in
@@ -271,7 +274,7 @@ class Compressor:
                 own_p = sum(x.abs().amax(0) for x in Ploc) / self.n
                 own_q = sum(x.abs().amax(0) for x in Qloc) / self.n
             if self.step > 0:
-                L = 127 // self.n
+                L = int(o.get("digit_max", 127)) // self.n
                 kappa = float(o["int8"])
                 if not hasattr(self, "hp"):
                     self.hp = torch.full((self.r,), kappa)
@@ -292,7 +295,7 @@ class Compressor:
                                            torch.tensor(float(shrink)))).clamp_(low, high)
                 Ploc = [(x / dp).round().clamp(-L, L) * dp for x in Ploc]
                 Qloc = [(x / dq).round().clamp(-L, L) * dq for x in Qloc]
-                fl = fl / 2
+                fl = fl / 2 * float(o.get("lane_bytes", 1))
             if o.get("own"):
                 self.own_p, self.own_q = own_p, own_q
             P, Qn = sum(Ploc) / self.n, sum(Qloc) / self.n
