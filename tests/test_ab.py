@@ -312,3 +312,61 @@ def test_ab_under_adamw_reports_the_adaptive_defaults_in_both_launchers(tmp_path
     assert summary["powersgd-ddp"]["settings"]["matrix_rank"] == torch_hook_rank(model, adamw)
     assert summary["acp-ddp"]["settings"]["both_factors"] is True
     assert summary["acp-ddp"]["bytes_per_step"] == _adaptive_payload_bytes(model)
+
+
+def test_ab_budget_and_int8_factors_reach_acp_sgds_methods_only(tmp_path):
+    """``--budget`` fits ACP-SGD's methods to a share of S-SGD's bytes, as
+    ``DistributedOptimizer(budget=X)`` does, in both launchers; the other
+    methods keep their defaults; the report says what the budget chose."""
+    budget = 0.077
+    status, out = run_status(
+        [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo",
+         str(BIN / "hvd-acp-ab"), "--model", LM_MODEL, "--optimizer", "adamw",
+         "--budget", str(budget), "--methods", "ssgd,powersgd,acp", "--batch-size", "2",
+         "--rounds", "1", "--steps", "1", "--warmup", "1", "--device", "cpu",
+         "--out", str(tmp_path / "hvd")], 300, "hvd-acp-ab --budget under horovodrun")
+    assert status == 0, out[-3000:]
+    found = _read(tmp_path / "hvd")
+    assert found["config"]["acp_options"] == {"budget": budget}
+    summary = found["summary"]["methods"]
+    acp, psgd = summary["acp"]["settings"], summary["powersgd"]["settings"]
+    # The budget's picks, as the optimizer resolved them (the budget itself is
+    # resolved away): both factors, and at 1/13 the 8-bit factors.
+    assert acp["both_factors"] is True and acp["int8_factors"] is True
+    assert psgd["int8_factors"] is False and psgd["matrix_rank"] == 0.25
+    share = summary["acp"]["bytes_per_step"] / summary["ssgd"]["bytes_per_step"]
+    assert 0.5 * budget < share <= budget, share
+    assert f"chosen for a budget of {budget:g} of S-SGD's fp32 bytes" in out, out[-3000:]
+    assert f"sends {share:.3f} of S-SGD's bytes" in out
+    # The DDP hook takes the same budget and sends the same bytes.
+    status, out = run_status(
+        [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "hvd_acp.ab",
+         "--ddp", "--model", LM_MODEL, "--optimizer", "adamw", "--budget", str(budget),
+         "--methods", "acp-ddp", "--batch-size", "2", "--rounds", "1", "--steps", "1",
+         "--warmup", "1", "--device", "cpu", "--out", str(tmp_path / "ddp")], 300,
+        "hvd-acp-ab --ddp --budget")
+    assert status == 0, out[-3000:]
+    ddp = _read(tmp_path / "ddp")["summary"]["methods"]["acp-ddp"]
+    assert ddp["settings"]["matrix_rank"] == acp["matrix_rank"]
+    assert ddp["settings"]["int8_factors"] is True
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--budget", "0.1"], "Adam-family"),
+    (["--budget", "0.1", "--optimizer", "adamw", "--int8-factors"], "leave out --int8-factors"),
+    (["--budget", "0.1", "--optimizer", "adamw", "--methods", "ssgd,powersgd"],
+     "--methods names neither"),
+])
+def test_ab_refuses_a_budget_it_cannot_apply_before_starting(argv, said, capsys):
+    """Refused on every rank alike, before any collective starts: no hang."""
+    from hvd_acp.ab.__main__ import main
+    assert main(argv) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_ab_budget_must_be_a_share(capsys):
+    from hvd_acp.ab.__main__ import build_parser
+    for bad in ("0", "1.5", "x"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--budget", bad])
+    assert "a share of S-SGD's bytes in (0, 1]" in capsys.readouterr().err

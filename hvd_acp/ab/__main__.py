@@ -29,7 +29,7 @@ from ..plan.models import (add_model_arguments, build_model, default_batch_size,
                            default_matrix_rank)
 from ..plan.units import add_count, positive_int
 from . import report
-from .runner import Settings, measure
+from .runner import ACP_KEYS, Settings, measure
 from .world import start
 
 #: ``--methods`` by default: S-SGD in fp32 and fp16, Power-SGD and ACP-SGD.
@@ -60,6 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_count(p, "--steps", 5, "timed steps per method and round")
     add_count(p, "--warmup", 3, "untimed steps before them", minimum=0)
     p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--budget", type=_share, default=None,
+                   help="ACP-SGD's methods (acp, acp-ddp) at this share of S-SGD's fp32 "
+                        "bytes per step, as hvd_acp.DistributedOptimizer(budget=X) fits it "
+                        "to the model (Adam-family optimizers; e.g. 0.077 for 1/13); the "
+                        "other methods keep their defaults")
+    p.add_argument("--int8-factors", action="store_true",
+                   help="ACP-SGD's methods with their factors in 8-bit lanes "
+                        "(int8_factors=True; both factors every step, as under AdamW)")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch threads per rank on CPUs (default: the node's cores over "
                         "its ranks)")
@@ -70,6 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "nothing communicated (the floor, shown in the table), and write "
                         "it to --out/profile.json for hvd-acp-plan predict --profile")
     return p
+
+
+def _share(text: str) -> float:
+    """``--budget``: a share of S-SGD's bytes in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"a share of S-SGD's bytes in (0, 1], got {text}")
+    return value
 
 
 def parse_methods(text: Optional[str], launcher: str) -> List[str]:
@@ -146,6 +165,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.warmup < 0:
         print("hvd-acp-ab: error: --warmup must be >= 0", file=sys.stderr)
         return 2
+    if args.budget is not None and args.int8_factors:
+        print("hvd-acp-ab: error: --budget picks the 8-bit factors where they fit; leave out "
+              "--int8-factors", file=sys.stderr)
+        return 2
+    if args.budget is not None and args.optimizer == "sgd":
+        print("hvd-acp-ab: error: --budget picks settings for Adam-family optimizers "
+              "(--optimizer adamw); with SGD give --matrix-rank", file=sys.stderr)
+        return 2
+    if args.budget is not None and not any(key in ACP_KEYS for key in methods):
+        print(f"hvd-acp-ab: error: --budget applies to {' and '.join(ACP_KEYS)}, and "
+              "--methods names neither", file=sys.stderr)
+        return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     world = start(launcher, device)
     if world.size < 2:
@@ -161,15 +192,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     matrix_rank = args.matrix_rank or default_matrix_rank(args.model, args.optimizer)
     spec = build_model(args.model, batch_size, image_size=args.image_size,
                        seq_len=args.seq_len, data_seed=world.rank)
+    acp_options: Dict[str, Any] = {}
+    if args.budget is not None:
+        acp_options["budget"] = args.budget
+    if args.int8_factors:
+        acp_options["int8_factors"] = True
     settings = Settings(methods=methods, rounds=args.rounds, steps=args.steps,
                         warmup=args.warmup, matrix_rank=matrix_rank, lr=args.lr,
-                        optimizer=args.optimizer)
+                        optimizer=args.optimizer, acp_options=acp_options)
     config: Dict[str, Any] = {
         "model": args.model, "model_description": spec.description, "ranks": world.size,
         "launcher": "horovodrun" if launcher == HOROVOD else "torchrun",
         "device": str(world.device.type), "batch_size": batch_size,
         "matrix_rank": matrix_rank, "rounds": args.rounds, "steps": args.steps,
         "warmup": args.warmup, "lr": args.lr, "optimizer": args.optimizer, "threads": threads,
+        "acp_options": acp_options,
         "ranks_per_node": world.local_size, "versions": _versions()}
 
     def progress(line: str) -> None:

@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from ..methods import get
 from ..plan.models import optimizer_name
 from .rounds import CONFIDENCE, Interval, median_interval, paired_ratios, verdict
+from .runner import ACP_KEYS
 
 __all__ = ["CANDIDATES", "summarize", "recommendation", "markdown"]
 
@@ -145,20 +146,40 @@ def _rank(matrix_rank) -> str:
     return "each method's default for the optimizer" if matrix_rank is None else str(matrix_rank)
 
 
-def describe_settings(key: str, settings: Dict[str, Any]) -> str:
+def describe_settings(key: str, settings: Dict[str, Any],
+                      budget: Optional[float] = None) -> str:
     """Method ``key``'s resolved settings in words: the rank (a share of each
-    matrix's smaller side where it is a float), what goes per step, the wire."""
+    matrix's smaller side where it is a float), what goes per step, the wire,
+    and the ``budget`` they were chosen for, if one was."""
     rank = settings.get("matrix_rank")
     words = [f"matrix rank {rank}" + (f" ({rank:g} of each matrix's smaller side)"
                                       if isinstance(rank, float) else "")]
     if get(key).algorithm == "Power-SGD":
         words.append("P then Q every step, two all-reduces")
+    elif settings.get("int8_factors"):
+        words.append("both factors every step, in 8-bit lanes (an all-reduce of their own "
+                     "beside the uncompressed tensors')")
     elif "both_factors" in settings:
         words.append("both factors every step, one all-reduce" if settings["both_factors"]
                      else "P and Q in turn")
-    if settings.get("fp16_wire"):
+    if settings.get("int8_factors"):
+        if settings.get("fp16_wire"):
+            words.append("the rest in fp16")
+    elif settings.get("fp16_wire"):
         words.append("fp16 on the wire")
+    if budget is not None:
+        words.append(f"chosen for a budget of {budget:g} of S-SGD's fp32 bytes")
     return ", ".join(words)
+
+
+def _acp_options(config: Dict[str, Any]) -> str:
+    """What ``--budget`` or ``--int8-factors`` set for ACP-SGD's methods, in words."""
+    options = config.get("acp_options") or {}
+    if options.get("budget") is not None:
+        return f" (ACP-SGD: budget {options['budget']:g} of S-SGD's bytes instead)"
+    if options.get("int8_factors"):
+        return " (ACP-SGD's factors in 8-bit lanes)"
+    return ""
 
 
 def _mb(value: Optional[float]) -> str:
@@ -174,7 +195,7 @@ def markdown(config: Dict[str, Any], summary: Dict[str, Any]) -> str:
         "",
         f"{config['ranks']} ranks ({config['launcher']}, {config['device']}), batch "
         f"{config['batch_size']} per rank, {optimizer_name(config.get('optimizer'))}, "
-        f"matrix rank {_rank(config['matrix_rank'])}, "
+        f"matrix rank {_rank(config['matrix_rank'])}{_acp_options(config)}, "
         f"{config['rounds']} rounds of {config['steps']} timed steps after "
         f"{config['warmup']} untimed, {config['threads']} torch thread"
         f"{'s' if config['threads'] != 1 else ''} per rank.",
@@ -191,7 +212,13 @@ def markdown(config: Dict[str, Any], summary: Dict[str, Any]) -> str:
             row += (f" {_fmt_interval(ratio)} ({_SAY[ratio['verdict']]}) |" if ratio
                     else " (itself) |")
         lines.append(row)
-    chosen = [f"- {entry['title']}: {describe_settings(key, entry['settings'])}"
+    exact = summary["methods"].get("ssgd", summary["methods"].get("ddp", {})).get(
+        "bytes_per_step")
+    budget = (config.get("acp_options") or {}).get("budget")
+    chosen = [f"- {entry['title']}: "
+              f"{describe_settings(key, entry['settings'], budget if key in ACP_KEYS else None)}"
+              + (f"; sends {entry['bytes_per_step'] / exact:.3f} of S-SGD's bytes"
+                 if exact and entry.get("bytes_per_step") else "")
               for key, entry in summary["methods"].items() if entry.get("settings")]
     if chosen:
         lines += ["", "Settings each compressed method trained with, every default decided:",

@@ -25,7 +25,7 @@ from ..plan.models import ModelSpec, build_optimizer, to_device
 from .rounds import combine_ranks, percentile, round_order
 from .world import World
 
-__all__ = ["Settings", "measure"]
+__all__ = ["ACP_KEYS", "Settings", "measure"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +45,10 @@ class Settings:
         optimizer: ``sgd`` (momentum 0.9) or ``adamw``
             (:data:`hvd_acp.plan.models.OPTIMIZERS`); its family decides the
             compressed methods' defaults.
+        acp_options: settings of :class:`hvd_acp.Settings` given to ACP-SGD's
+            own methods (:data:`ACP_KEYS`) and no other: ``budget`` (then
+            they take no ``matrix_rank``: the budget picks it) or
+            ``int8_factors``.
     """
 
     methods: Sequence[str]
@@ -54,6 +58,17 @@ class Settings:
     matrix_rank: Union[int, str, None] = None
     lr: float = 0.01
     optimizer: str = "sgd"
+    acp_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        unknown = sorted(set(self.acp_options) - {"budget", "int8_factors"})
+        if unknown:
+            raise ValueError(f"acp_options takes budget and int8_factors, got {unknown}")
+
+
+#: ACP-SGD's own methods, which :attr:`Settings.acp_options` apply to (its
+#: variants and ablations fix their own settings).
+ACP_KEYS = ("acp", "acp-ddp")
 
 
 def _sync(device: torch.device) -> None:
@@ -84,7 +99,12 @@ def _one(world: World, key: str, template: torch.nn.Module, spec: ModelSpec,
     if method.min_warmup_steps:
         warmup = max(warmup, method.min_warmup_steps)
         options["warmup_steps"] = warmup
-    built = method.build(model, optimizer, matrix_rank=settings.matrix_rank, **options)
+    matrix_rank = settings.matrix_rank
+    if key in ACP_KEYS and settings.acp_options:
+        options.update(settings.acp_options)
+        if settings.acp_options.get("budget") is not None:
+            matrix_rank = None                    # the budget picks it
+    built = method.build(model, optimizer, matrix_rank=matrix_rank, **options)
     counters = built.counters
     chosen = settings_of(built)
     times: List[float] = []
