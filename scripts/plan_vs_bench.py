@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -177,9 +178,19 @@ def _profiles(found: List[dict]) -> List[str]:
     heads = {text.split(split)[0] for text in seen.values()}
     if len(heads) != 1 or not all(split in text for text in seen.values()):
         return ["Profiles: " + "; ".join(f"{k}: {v}" for k, v in seen.items()) + "."]
-    tails = ", ".join(f"{key} {text.split('(')[-1].rstrip(')')}" for key, text in seen.items())
-    return [f"Profiles (one per model and batch): {heads.pop()}; the DDP hook's compute "
-            f"from the same ranks without Horovod's thread ({tails})."]
+    tails, slowest = [], []
+    for key, text in seen.items():
+        scale = re.search(r"without it \(([0-9.]+x)\)", text)
+        tails.append(f"{key} {scale.group(1) if scale else 'n/a'}")
+        slow = re.search(r"the slowest rank's kernels \((rank \d+, [0-9.]+x)", text)
+        if slow:
+            slowest.append(f"{key} {slow.group(1)}")
+    line = (f"Profiles (one per model and batch): {heads.pop()}; the DDP hook's compute "
+            f"from the same ranks without Horovod's thread ({', '.join(tails)})")
+    if slowest:
+        line += ("; each the slowest rank's kernels (the rank, its step over the fastest "
+                 f"rank's: {', '.join(slowest)})")
+    return [line + "."]
 
 
 def main(argv: List[str] = None) -> int:
