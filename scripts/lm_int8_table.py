@@ -35,6 +35,7 @@ LABELS = {"acp_int8_share_0_2":
           "acp_int8_k4_share_0_2": "ACP-SGD, int8 factors, share 0.2, headroom 4",
           "acp_int8_k8_share_0_2": "ACP-SGD, int8 factors, share 0.2, headroom 8",
           "acp_fp16_share_0_2": "ACP-SGD, fp16 factors, share 0.2 (the control)",
+          "acp_fp16_share_0_1": "ACP-SGD, fp16 factors, share 0.1 (the 8-bit factors' bytes)",
           "acp_int8_share_0_25": "ACP-SGD, int8 factors, share 0.25",
           "acp_int8_share_0_06": "ACP-SGD, int8 factors, share 0.06",
           "acp_budget_1_40": "ACP-SGD, budget=0.025 (1/40)",
