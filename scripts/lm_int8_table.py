@@ -34,6 +34,7 @@ LABELS = {"acp_int8_share_0_2":
           "ACP-SGD, int8 factors, share 0.2 (headroom 2, the library's)",
           "acp_int8_k4_share_0_2": "ACP-SGD, int8 factors, share 0.2, headroom 4",
           "acp_int8_k8_share_0_2": "ACP-SGD, int8 factors, share 0.2, headroom 8",
+          "acp_int8_lead20_share_0_2": "ACP-SGD, int8 factors, share 0.2, 20 float steps first",
           "acp_fp16_share_0_2": "ACP-SGD, fp16 factors, share 0.2 (the control)",
           "acp_fp16_share_0_1": "ACP-SGD, fp16 factors, share 0.1 (the 8-bit factors' bytes)",
           "acp_int8_share_0_25": "ACP-SGD, int8 factors, share 0.25",
