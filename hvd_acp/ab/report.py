@@ -162,11 +162,8 @@ def describe_settings(key: str, settings: Dict[str, Any],
     elif "both_factors" in settings:
         words.append("both factors every step, one all-reduce" if settings["both_factors"]
                      else "P and Q in turn")
-    if settings.get("int8_factors"):
-        if settings.get("fp16_wire"):
-            words.append("the rest in fp16")
-    elif settings.get("fp16_wire"):
-        words.append("fp16 on the wire")
+    if settings.get("fp16_wire"):
+        words.append("the rest in fp16" if settings.get("int8_factors") else "fp16 on the wire")
     if budget is not None:
         words.append(f"chosen for a budget of {budget:g} of S-SGD's fp32 bytes")
     return ", ".join(words)
