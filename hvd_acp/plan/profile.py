@@ -389,11 +389,11 @@ def time_training_steps(model: nn.Module, batch, loss_fn: Callable,
         return hook
     handles = [p.register_post_accumulate_grad_hook(make_hook(n)) for n, p in named]
     forward, backward, update, order = [], [], [], []
+    timed_s = 0.0
     try:
         step = 0
         while (step < warmup + steps
-               or (sum(forward) + sum(backward) + sum(update) < min_timed_s
-                   and len(forward) < max(steps, MAX_TIMED_STEPS))):
+               or (timed_s < min_timed_s and len(forward) < max(steps, MAX_TIMED_STEPS))):
             timed = step >= warmup
             step += 1
             optimizer.zero_grad(set_to_none=True)
@@ -414,6 +414,7 @@ def time_training_steps(model: nn.Module, batch, loss_fn: Callable,
                 forward.append(t1 - t0)
                 backward.append(t2 - t1)
                 update.append(t3 - t2)
+                timed_s += t3 - t0
                 order = clock["order"]
     finally:
         for h in handles:
