@@ -6,7 +6,8 @@ Usage: ``core_cases.py CASE`` with CASE one of:
   replicas stay bit-identical and gradients equal those recomputed here
   from every rank's inputs; full-rank ACP-SGD matches
   ``hvd.DistributedOptimizer``; a rank-dependent unused branch;
-  ``hvd.broadcast_parameters`` / ``hvd.broadcast_optimizer_state``;
+  ``hvd.broadcast_parameters`` / ``hvd.broadcast_optimizer_state``; a
+  rank waiting for a late one in step() sleeps instead of spinning;
 - ``three`` (3 ranks): the training checks again on an odd world size.
 
 They share one launch per world size because starting horovodrun costs
@@ -367,6 +368,33 @@ def check_adaptive_defaults(steps=6):
     report("adaptive_defaults")
 
 
+def check_waiting_is_idle(delay_s=1.0):
+    """A rank that waits in step() for another rank's buffers sleeps
+    instead of spinning (Horovod's synchronize keeps a core busy): rank 1
+    starts its backward ``delay_s`` late; rank 0's training thread must use
+    under a third of the wall time of its step() in CPU time."""
+    import time
+    torch.manual_seed(0)
+    model = build_mlp(0)
+    opt = hvd_acp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(),
+                                       matrix_rank=2, min_compression_rate=1)
+    train_step(opt, model, mlp_loss(hvd.rank(), 0))
+    opt.zero_grad()
+    loss = mlp_loss(hvd.rank(), 1)(model)
+    if hvd.rank() == 1:
+        time.sleep(delay_s)
+    loss.backward()
+    wall, cpu = time.perf_counter(), time.thread_time()
+    opt.step()
+    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+    wall, cpu = hvd.broadcast_object((wall, cpu), root_rank=0, name="check.waiting")
+    assert wall > 0.5 * delay_s, f"rank 0 waited {wall:.3f} s in step(), not ~{delay_s} s"
+    assert cpu < wall / 3, f"rank 0's step() used {cpu:.3f} s of CPU in {wall:.3f} s"
+    assert_replicas_identical(model, "waiting")
+    report("waiting_is_idle", f"wall={wall:.3f} cpu={cpu:.3f}")
+
+
 def expect_error(check, kind, build):
     try:
         build()
@@ -408,7 +436,7 @@ def check_errors():
 
 CASES = {
     "two": [check_errors, check_replicas, check_exact_vs_horovod, check_unused_branch,
-            check_broadcast, check_adaptive_defaults],
+            check_broadcast, check_adaptive_defaults, check_waiting_is_idle],
     "three": [check_replicas, check_exact_vs_horovod, check_unused_branch],
     "four": [check_replicas, check_adaptive_defaults],
 }
