@@ -10,6 +10,9 @@ model and batch with the planner's defaults: as many ranks at once as a
 node of this host runs (at most the run's ranks), the host's cores divided
 among them as threads, Horovod's background thread alive (``--alone``: one
 process alone, as the planner profiled before issue 33, for comparison).
+``--link-burst`` also tells the planner the token bucket of the run's
+emulated link (``--burst-bytes``, the burst its topology names): a property
+of the link, like its rate.
 
     .venv/bin/python scripts/plan_vs_bench.py bench-results/resnet50_100mbit/results.json ... \\
         --out bench-results/validation/defaults
@@ -75,7 +78,18 @@ def _saved_profiles(results: List[Path], out: Path) -> Dict[Tuple, Path]:
     return found
 
 
-def _predict(results: Path, out: Path, profiles: Dict[Tuple, Path], extra: List[str]) -> dict:
+def link_burst_bytes(cfg: dict) -> int:
+    """The token bucket of a run's emulated link, from its topology
+    (``tc tbf rate R burst B B``)."""
+    found = re.search(r"\btbf rate \S+ burst (\d+) B\b", cfg.get("topology") or "")
+    if found is None:
+        raise SystemExit(f"--link-burst: no tbf burst in the run's topology: "
+                         f"{cfg.get('topology')!r}")
+    return int(found.group(1))
+
+
+def _predict(results: Path, out: Path, profiles: Dict[Tuple, Path], extra: List[str],
+             link_burst: bool = False) -> dict:
     bench = json.loads(results.read_text())
     cfg = bench["config"]
     optimizer = cfg.get("optimizer", "sgd")
@@ -83,6 +97,8 @@ def _predict(results: Path, out: Path, profiles: Dict[Tuple, Path], extra: List[
     profile = profiles.get(key)
     flags = ["--np", str(cfg["np"]), "--bandwidth", f"{cfg['bandwidth_mbit']:g}mbit",
              "--no-plot"]
+    if link_burst:
+        flags += ["--burst-bytes", str(link_burst_bytes(cfg))]
     if cfg.get("horovod_cycle_time_ms"):
         flags += ["--horovod-cycle-time-ms", f"{cfg['horovod_cycle_time_ms']:g}"]
     plan_dir = out / results.parent.name
@@ -210,6 +226,9 @@ def main(argv: List[str] = None) -> int:
                              "this script names them) instead of profiling again: the runs "
                              "replanned by today's planner from the profiles they were "
                              "validated with")
+    parser.add_argument("--link-burst", action="store_true",
+                        help="predict each run's link with the token bucket its topology "
+                             "names (hvd-acp-plan --burst-bytes)")
     parser.add_argument("--report-only", action="store_true",
                         help="render OUT/defaults.json again (no profiling, no prediction)")
     args = parser.parse_args(argv)
@@ -222,7 +241,8 @@ def main(argv: List[str] = None) -> int:
         profiles: Dict[Tuple, Path] = (_saved_profiles(args.results, args.out)
                                        if args.reuse_profiles else {})
         extra = ["--alone"] if args.alone else []
-        found = [_predict(path.resolve(), args.out, profiles, extra) for path in args.results]
+        found = [_predict(path.resolve(), args.out, profiles, extra, args.link_burst)
+                 for path in args.results]
         (args.out / "defaults.json").write_text(json.dumps(found, indent=1) + "\n")
     text = markdown(found)
     (args.out / "defaults.md").write_text(text + "\n")

@@ -242,6 +242,65 @@ def test_two_buckets_overlap_backward():
     assert pred.link_busy_s == pytest.approx(4.0)
 
 
+def test_a_token_bucket_lets_what_it_saved_up_cross_at_once():
+    # S-SGD on two ranks: one 1 MB gradient ready when backward starts (1 s
+    # on the wire at 1 MB/s, under backward's 2 s); the step is 3.5 s.
+    prof = synthetic([{"name": "w", "bytes": 1e6, "ready_s": 0.0}])
+    plain = Settings(np=2, network=net(), cycle_time_s=0.0)
+    assert predict_methods(prof, plain, ["ssgd"])["ssgd"].link_busy_s == pytest.approx(1.0)
+    bucket = dataclasses.replace(plain, network=net(burst_bytes=3e5))
+    pred = predict_methods(prof, bucket, ["ssgd"])["ssgd"]
+    # The link idles 2.5 s a step (more than the 0.3 s the bucket needs to
+    # fill): 0.3 MB cross at once, the other 0.7 MB at the rate.
+    assert pred.link_busy_s == pytest.approx(0.7)
+    assert pred.link_tail_s == pytest.approx(3.5 - 1.0 - 0.7)
+    # Two gradients back to back: the bucket saved up before the first only.
+    two = synthetic([{"name": "a", "bytes": 1e6, "ready_s": 0.0},
+                     {"name": "b", "bytes": 1e6, "ready_s": 0.0}])
+    s = dataclasses.replace(bucket, horovod_fusion_bytes=1)
+    assert predict_methods(two, s, ["ssgd"])["ssgd"].link_busy_s == pytest.approx(1.7)
+    # A gradient ready at the end of a 0.5 s backward, 1.5 s on the wire at
+    # 2/3 MB/s, then a 0.5 s update: steady, the link idles 1 s between
+    # collectives (the update, then backward) and saves 2/3 MB of its 1 MB
+    # bucket; the rest, 1/3 MB, takes 0.5 s.
+    late = synthetic([{"name": "w", "bytes": 1e6, "ready_s": 0.5}], forward=0.0,
+                     backward=0.5, optimizer=0.5)
+    slow = Settings(np=2, network=net(2e6 / 3, burst_bytes=1e6), cycle_time_s=0.0)
+    pred = predict_methods(late, slow, ["ssgd"])["ssgd"]
+    assert pred.link_busy_s == pytest.approx(0.5)
+    assert pred.step_s == pytest.approx(1.5)
+    assert pred.link_tail_s == pytest.approx(0.5)
+    plain_slow = dataclasses.replace(slow, network=net(2e6 / 3))
+    assert predict_methods(late, plain_slow, ["ssgd"])["ssgd"].step_s == pytest.approx(2.5)
+    with pytest.raises(ValueError, match="burst_bytes"):
+        net(burst_bytes=-1)
+
+
+def test_plan_takes_the_emulated_links_token_bucket(tmp_path, monkeypatch):
+    """``--burst-bytes`` reaches the prediction and the plan says so;
+    scripts/plan_vs_bench.py reads the burst from a run's topology."""
+    import importlib
+    from tests.hvdrun import REPO
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    run = REPO / "bench-results/planval_adamw/train_lm_b16_20mbit"
+    cfg = json.loads((run / "results.json").read_text())["config"]
+    burst = importlib.import_module("plan_vs_bench").link_burst_bytes(cfg)
+    assert burst == 131072 and f"burst {burst} B" in cfg["topology"]
+    profile = REPO / "bench-results/planval_adamw/timed_2s/profile_train_lm_b16_adamw.json"
+    plans = {}
+    for name, extra in (("plain", []), ("bucket", ["--burst-bytes", str(burst)])):
+        assert main(["predict", "--profile", str(profile), "--np", "2", "--bandwidth", "20mbit",
+                     "--no-plot", "--out", str(tmp_path / name), *extra]) == 0
+        plans[name] = json.loads((tmp_path / name / "plan.json").read_text())
+    assert plans["plain"]["config"]["burst_bytes"] == 0
+    assert plans["bucket"]["config"]["burst_bytes"] == burst
+    assert "token bucket of 131072 B" in (tmp_path / "bucket" / "plan.md").read_text()
+    plain, bucket = (plans[k]["predictions"][0]["methods"] for k in ("plain", "bucket"))
+    # Power-SGD's 0.33 MB a step: the bucket's 0.13 MB is a large share of it.
+    assert bucket["powersgd"]["step_s"] < 0.8 * plain["powersgd"]["step_s"]
+    assert bucket["ssgd"]["step_s"] < plain["ssgd"]["step_s"]
+
+
 def test_host_work_serial_or_beside():
     prof = synthetic([{"name": "w", "bytes": 1e6, "ready_s": 0.0}])
     host = net(host_s_per_byte=1e-6)

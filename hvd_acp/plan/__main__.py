@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="host cost per byte of an all-reduce (default: the profile's)")
     pred.add_argument("--wire-efficiency", type=_positive_float, default=None,
                       help="payload share of the link rate (default 1448/1514, TCP on Ethernet)")
+    pred.add_argument("--burst-bytes", type=_non_negative_float, default=0.0,
+                      help="a token bucket on each node's link, each way (tc tbf's burst, as "
+                           "the benchmark's emulated links): bytes saved up while the link "
+                           "idles and let through at once (default 0: a plain link)")
     pred.add_argument("--no-tcp-stack", action="store_true",
                       help="charge no network stack CPU work (default on a CPU profile: this "
                            "host's TCP over loopback, measured by the profile)")
@@ -253,7 +257,7 @@ def _predict(parser, args, command: str) -> int:
             "host_s_per_byte": args.host_s_per_byte, "wire_efficiency": args.wire_efficiency,
             "gpus_per_node": args.gpus_per_node, "intra_bandwidth_mbit": intra,
             "intra_latency_us": args.intra_latency_us, "host_serial": args.host_serial,
-            "no_tcp_stack": args.no_tcp_stack}
+            "no_tcp_stack": args.no_tcp_stack, "burst_bytes": args.burst_bytes}
     if args.link_calibration is not None:
         opts["link"] = _read_link(args.link_calibration)
         opts["link_source"] = str(args.link_calibration)

@@ -19,6 +19,11 @@ work). With ``G`` GPUs per node (``N = G * M``) the
 hierarchical variant reduces inside each node first (a ring over ``G`` at
 the intra-node rate), all-reduces across the ``M`` nodes (the node's link
 carries all of its GPUs' shards) and gathers inside the node again.
+
+A link shaped by a token bucket (``tc tbf``, as the benchmark's emulated
+links, :attr:`Network.burst_bytes`) lets the bytes its bucket has saved up
+while idle cross at once; :func:`link_bytes` is what a collective puts on a
+node's link, from which the timeline draws the bucket.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ import math
 from typing import Optional
 
 __all__ = ["Network", "ETHERNET_PAYLOAD_SHARE", "ring_allreduce_s", "allreduce_s",
-           "ring_allgather_s"]
+           "ring_allgather_s", "link_bytes"]
 
 #: Payload share of a full Ethernet frame carrying TCP/IPv4 with timestamps:
 #: 1448 payload bytes of the 1514 a 1500-byte MTU frame puts on the link.
@@ -50,6 +55,10 @@ class Network:
         intra_bandwidth_mbit: rate between the GPUs of one node (needed when
             ``gpus_per_node > 1``).
         intra_latency_s: ``alpha`` inside a node.
+        burst_bytes: the token bucket of each node's link, each way (``tc
+            tbf``'s burst, as on the benchmark's emulated links): bytes the
+            link saves up while idle, at its rate, and lets through at once;
+            0 (the default) for a link that only ever runs at its rate.
     """
 
     bandwidth_mbit: float
@@ -60,6 +69,7 @@ class Network:
     gpus_per_node: int = 1
     intra_bandwidth_mbit: Optional[float] = None
     intra_latency_s: float = 0.0
+    burst_bytes: float = 0.0
 
     def __post_init__(self):
         if not (self.bandwidth_mbit > 0 and math.isfinite(self.bandwidth_mbit)):
@@ -73,6 +83,8 @@ class Network:
         if self.host_s_per_byte < 0 or self.stack_s_per_byte < 0:
             raise ValueError(f"host_s_per_byte and stack_s_per_byte must be >= 0, got "
                              f"{self.host_s_per_byte!r}, {self.stack_s_per_byte!r}")
+        if not (self.burst_bytes >= 0 and math.isfinite(self.burst_bytes)):
+            raise ValueError(f"burst_bytes must be >= 0, got {self.burst_bytes!r}")
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
             raise ValueError(f"gpus_per_node must be a positive int, got {self.gpus_per_node!r}")
         if self.gpus_per_node > 1 and not (self.intra_bandwidth_mbit or 0) > 0:
@@ -128,6 +140,17 @@ def allreduce_s(nbytes: float, ranks: int, net: Network) -> float:
     return (ring_allreduce_s(nbytes, g, intra_bps, net.intra_latency_s, net.host_s_per_byte)
             + ring_allreduce_s(nbytes, nodes, net.payload_bytes_per_s, net.latency_s,
                                net.host_s_per_byte + net.stack_s_per_byte))
+
+
+def link_bytes(nbytes: float, ranks: int, net: Network) -> float:
+    """Bytes one all-reduce of ``nbytes`` per rank puts on each node's link,
+    each way: ``2(N-1)/N`` of them on a ring, the ring across the nodes of
+    the whole buffer where ``net.gpus_per_node > 1`` (0 on one node)."""
+    g = net.gpus_per_node
+    nodes = ranks if g == 1 else (ranks // g if ranks > g else 1)
+    if nodes <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (nodes - 1) / nodes * nbytes
 
 
 def ring_allgather_s(nbytes: float, ranks: int, net: Network) -> float:

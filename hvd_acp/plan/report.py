@@ -90,7 +90,8 @@ def _settings(profile: dict, np: int, bw: float, latency_us: float, opts: dict) 
                   stack_s_per_byte=stack_cost(profile, link, bw, opts)[0],
                   gpus_per_node=opts.get("gpus_per_node") or 1,
                   intra_bandwidth_mbit=opts.get("intra_bandwidth_mbit"),
-                  intra_latency_s=(opts.get("intra_latency_us") or 0.0) * 1e-6)
+                  intra_latency_s=(opts.get("intra_latency_us") or 0.0) * 1e-6,
+                  burst_bytes=opts.get("burst_bytes") or 0.0)
     scale = opts.get("compute_scale") or 1.0
     # The profile's ranks ran with Horovod's thread; the DDP hook's run without it.
     ddp_scale = scale * ((profile.get("conditions") or {}).get("ddp_compute_scale") or 1.0)
@@ -192,6 +193,8 @@ def format_plan_md(plan: dict) -> str:
                 f"{_fmt_bw(cfg['bandwidth_mbit'][0])} ({cfg['stack_source']})"
                 if cfg.get("stack_source") else "") + "; "
              f"wire efficiency {cfg['wire_efficiency']:.3f}"
+             + (f"; a token bucket of {cfg['burst_bytes']:.0f} B on each link"
+                if cfg.get("burst_bytes") else "")
              + (f"; {cfg['gpus_per_node']} GPUs per node at "
                 f"{_fmt_bw(cfg['intra_bandwidth_mbit'])}" if cfg.get("gpus_per_node", 1) > 1
                 else "") + ".", "",
@@ -322,6 +325,7 @@ def write_plan(profile: dict, out: Path, nps: Sequence[int], bandwidths_mbit: Se
         "latency_us": list(latencies_us), "cycle_time_ms": first.cycle_time_s * 1e3,
         "horovod_negotiation_us": first.horovod_negotiation_s * 1e6,
         "compute_scale": first.compute_scale, "wire_efficiency": first.network.wire_efficiency,
+        "burst_bytes": first.network.burst_bytes,
         "host_s_per_byte": first.network.host_s_per_byte,
         "fp16_reduce_s_per_byte": profile.get("fp16_reduce_s_per_byte"),
         "link_calibration": opts.get("link_source"),

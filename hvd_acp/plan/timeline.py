@@ -80,6 +80,11 @@ wire) costs the profile's ``fp16_reduce_s_per_byte`` more host work per byte
 moved than a float32 one: Horovod's Gloo path on a CPU reduces and averages
 float16 element by element in software. The DDP hooks' collectives do not
 pay it (torch's Gloo all-reduces float16 as fast as float32 per byte here).
+On a link shaped by a token bucket (``Network.burst_bytes``, the benchmark's
+emulated links) a collective's first bytes, as many as the bucket saved up
+while the link idled, cross at once; the bucket refills at the link's rate
+between collectives and, in the steady state :func:`predict_methods`
+finds, over the idle end of the step before.
 """
 from __future__ import annotations
 
@@ -89,7 +94,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..lanes import words_for
 from ..methods import REGISTRY, predicted
-from .cost import Network, allreduce_s
+from .cost import Network, allreduce_s, link_bytes
 
 __all__ = ["Settings", "StepPrediction", "HorovodThread", "predict_methods", "METHODS",
            "HOROVOD_FUSION_BYTES", "horovod_tiny_allreduce_s"]
@@ -122,6 +127,10 @@ class Settings:
             every core runs a rank's compute (this machine: 2 ranks on 2
             cores); False where it runs beside it (a GPU node, where the
             host barely takes part anyway).
+        link_idle_s: how long the link idled before the step began (the
+            step before's :attr:`StepPrediction.link_tail_s`): how full a
+            token bucket (``network.burst_bytes``) is at the step's start;
+            unbounded (full) unless :func:`predict_methods` sets it.
     """
 
     np: int
@@ -133,6 +142,7 @@ class Settings:
     cycle_phases: int = 4
     host_serial: bool = False
     horovod_negotiation_s: float = 0.0
+    link_idle_s: float = math.inf
 
     def __post_init__(self):
         if not isinstance(self.np, int) or self.np < 1:
@@ -143,6 +153,8 @@ class Settings:
             raise ValueError(f"compute_scale must be > 0, got {self.compute_scale!r}")
         if self.cycle_phases < 1:
             raise ValueError(f"cycle_phases must be >= 1, got {self.cycle_phases!r}")
+        if not self.link_idle_s >= 0:
+            raise ValueError(f"link_idle_s must be >= 0, got {self.link_idle_s!r}")
         if self.horovod_negotiation_s < 0:
             raise ValueError(f"horovod_negotiation_s must be >= 0, got "
                              f"{self.horovod_negotiation_s!r}")
@@ -154,6 +166,8 @@ class StepPrediction:
 
     ``exposed_comm_s = step_s - compute_s - compression_s``: communication
     (and waiting for Horovod's cycle) not hidden behind computation.
+    ``link_tail_s``: from the end of the step's last collective to the end
+    of the step, the link's idle time before the next step.
     """
 
     step_s: float
@@ -163,6 +177,7 @@ class StepPrediction:
     bytes_per_step: float
     allreduces_per_step: float
     link_busy_s: float
+    link_tail_s: float = 0.0
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -218,8 +233,7 @@ class HorovodThread:
                 half = i is not None and len(requests[i]) > 2 and bool(requests[i][2])
                 if group and (i is None or group_bytes + nbytes > self.fusion_bytes
                               or half != group_half):
-                    duration = (self.cost(group_bytes, True) if group_half
-                                else self.cost(group_bytes))
+                    duration = self._duration(t, group_bytes, group_half)
                     t += duration
                     self.busy_s += duration
                     self.collectives += 1
@@ -233,6 +247,12 @@ class HorovodThread:
             self.tick = max(start + self.cycle_s, t) if self.cycle_s > 0 else t
         return finish
 
+    def _duration(self, start: float, nbytes: float, half: bool) -> float:
+        at = getattr(self.cost, "at", None)     # a cost that knows the link's state
+        if at is not None:
+            return at(start, nbytes, half)
+        return self.cost(nbytes, True) if half else self.cost(nbytes)
+
 
 class _Costs:
     """Collective durations, and the host work set aside when it is serial.
@@ -243,7 +263,12 @@ class _Costs:
 
     def __init__(self, settings: Settings, scale: float, profile: Optional[dict] = None):
         self.np = settings.np
-        self.full = settings.network.scaled_host(scale)
+        net = settings.network
+        self.full = net.scaled_host(scale)
+        # The token bucket, in payload bytes; empty at the end of the last
+        # collective before the step, which ended link_idle_s before it.
+        self.burst = net.burst_bytes * net.wire_efficiency
+        self.tokens, self.link_end = 0.0, -settings.link_idle_s
         extra = (profile or {}).get("fp16_reduce_s_per_byte", 0.0) * scale
         self.half = dataclasses.replace(self.full,
                                         host_s_per_byte=self.full.host_s_per_byte + extra)
@@ -258,6 +283,26 @@ class _Costs:
         wire = allreduce_s(nbytes, self.np, self.wire)
         self.host_s += allreduce_s(nbytes, self.np, full) - wire
         return wire
+
+    def at(self, start: float, nbytes: float, half: bool = False) -> float:
+        """:meth:`__call__` for a collective that starts at ``start``: the
+        bytes the link's bucket saved up since its last collective cross at
+        once."""
+        duration = self(nbytes, half)
+        if self.burst > 0 and nbytes > 0:
+            rate = self.full.payload_bytes_per_s
+            idle = max(0.0, start - self.link_end)
+            self.tokens = min(self.burst, self.tokens + idle * rate)
+            saved = min(self.tokens, link_bytes(nbytes, self.np, self.full))
+            self.tokens -= saved
+            duration = max(0.0, duration - saved / rate)
+        if nbytes > 0:
+            self.link_end = max(self.link_end, start + duration)
+        return duration
+
+    def tail(self, end: float) -> float:
+        """The link's idle time from its last collective to ``end``."""
+        return max(0.0, end - max(self.link_end, 0.0))
 
 
 def _horovod_thread(settings: Settings, costs, origin: float) -> HorovodThread:
@@ -362,7 +407,8 @@ def _predict_ssgd(profile, settings, origin, fp16: bool = False) -> StepPredicti
     compute = _compute_s(profile, s)
     compression = 2 * cast * total * s
     return StepPrediction(end, compute, compression, end - compute - compression,
-                          _wire_bytes(total, fp16), thread.collectives, thread.busy_s)
+                          _wire_bytes(total, fp16), thread.collectives, thread.busy_s,
+                          costs.tail(end))
 
 
 def _compressed_s(params: Dict[str, dict], key: str) -> float:
@@ -449,7 +495,7 @@ def _predict_acp_phase(profile, settings, origin, phase: str) -> StepPrediction:
                    + sum(_bucket_cast_s(profile, b, cast) for b in buckets) * s)
     return StepPrediction(t, compute, compression, t - compute - compression,
                           sum(_bucket_wire_bytes(b, fp16) for b in buckets),
-                          thread.collectives, thread.busy_s)
+                          thread.collectives, thread.busy_s, costs.tail(t))
 
 
 def _psgd_compressed(param: dict) -> bool:
@@ -497,7 +543,7 @@ def _predict_powersgd(profile, settings, origin) -> StepPrediction:
                    + middle + recon)
     nbytes = _wire_bytes(p_bytes + q_bytes, fp16)
     return StepPrediction(t, compute, compression, t - compute - compression, nbytes,
-                          thread.collectives, thread.busy_s)
+                          thread.collectives, thread.busy_s, costs.tail(t))
 
 
 def _predict_powersgd_ddp(profile, settings) -> StepPrediction:
@@ -513,8 +559,9 @@ def _predict_powersgd_ddp(profile, settings) -> StepPrediction:
         nonlocal link_free, nbytes, collectives, busy
         if size <= 0:
             return at
-        duration = costs(size)
-        link_free = max(at, link_free) + duration
+        start = max(at, link_free)
+        duration = costs.at(start, size)
+        link_free = start + duration
         nbytes += size
         collectives += 1
         busy += duration
@@ -544,7 +591,7 @@ def _predict_powersgd_ddp(profile, settings) -> StepPrediction:
     end = max(bwd_end, chain_end) + profile["optimizer_s"] * s + costs.host_s
     compute = _compute_s(profile, s)
     return StepPrediction(end, compute, compression, end - compute - compression, nbytes,
-                          collectives, busy)
+                          collectives, busy, costs.tail(end))
 
 
 def _ddp_factors(profile: dict, phase: str):
@@ -605,10 +652,13 @@ def _predict_acp_ddp_phase(profile, settings, phase: str,
                 + sum(p.get(key, p.get("psgd_p_s", 0.0)) for p in comp) + cast * size
                 + convert) * c
         delay += hook
-        duration = sum(costs(part) for part in parts)
         # The last compressed member's residual runs after the launch.
         owed = _owed_s(comp[-1], key) * c if comp else 0.0
-        link_free = max(ready + hook - owed, link_free) + duration
+        launched = max(ready + hook - owed, link_free)
+        link_free = launched
+        for part in parts:                       # one after the other on the link
+            link_free += costs.at(link_free, part)
+        duration = link_free - launched
         recon = (sum(p.get(_recon_key(phase), 0.0) for p in comp) + cast * size
                  + convert) * c
         arrived = max(arrived, link_free) + recon
@@ -620,7 +670,7 @@ def _predict_acp_ddp_phase(profile, settings, phase: str,
     end = max(bwd_end, arrived) + profile["optimizer_s"] * s + costs.host_s
     compute = _compute_s(profile, s)
     return StepPrediction(end, compute, compression, end - compute - compression, nbytes,
-                          collectives, busy)
+                          collectives, busy, costs.tail(end))
 
 
 def _ddp_hook_scale(profile: dict, settings: Settings) -> float:
@@ -680,4 +730,20 @@ def predict_methods(profile: dict, settings: Settings,
         reasons = "".join(f"; {m} is not predicted: {REGISTRY[m].not_predicted}"
                           for m in unknown if m in REGISTRY)
         raise ValueError(f"methods must be among {METHODS}, got {unknown}{reasons}")
-    return {method: _PREDICTORS[method](profile, settings) for method in methods}
+    return {method: _steady(_PREDICTORS[method], profile, settings) for method in methods}
+
+
+#: Steps simulated after the first to find how full a token bucket is when a
+#: step begins (the idle end of the step before refills it).
+STEADY_STEPS = 2
+
+
+def _steady(predictor, profile: dict, settings: Settings) -> StepPrediction:
+    """``predictor``'s step; on a link with a token bucket, the step that
+    follows steps like it: each begins with what the step before's idle end
+    saved up."""
+    pred = predictor(profile, settings)
+    if settings.network.burst_bytes > 0:
+        for _ in range(STEADY_STEPS):
+            pred = predictor(profile, dataclasses.replace(settings, link_idle_s=pred.link_tail_s))
+    return pred
