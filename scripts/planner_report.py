@@ -5,8 +5,9 @@ The tables come from the planner's own scripts, as they print them:
 - ``planval``, ``planval-adamw``: ``scripts/plan_vs_bench.py``, the
   planner's defaults against the benchmark runs under SGD and AdamW, from
   ``bench-results/planval/defaults/defaults.json`` and
-  ``bench-results/planval_adamw/timed_2s/defaults.json`` (the AdamW runs
-  predicted from profiles of the slowest rank, the planner as shipped);
+  ``bench-results/planval_adamw_polled/predicted/defaults.json`` (the
+  AdamW runs with the polled wait, predicted from profiles of the slowest
+  rank, the planner as shipped);
 - ``validation``: ``scripts/validation_table.py``, the calibrated
   predictions against the runs, from ``bench-results/validation/*/validate.json``;
 - ``paper``, ``paper-adamw``: ``scripts/paper_projection.py``, the paper's
@@ -27,6 +28,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 from docgen import Block  # noqa: E402
 
 PAGE = "docs/planner.md"
+#: The AdamW validation docs/planner.md publishes.
+ADAMW_VALIDATION = "bench-results/planval_adamw_polled/predicted"
 #: ``scripts/paper_projection.py``'s defaults: ``--gpu-tflops``, ``--utilisation``.
 PAPER_GPU = (15.7, 0.4)
 
@@ -42,7 +45,7 @@ def planval(page: Path) -> List[str]:
 
 
 def planval_adamw(page: Path) -> List[str]:
-    return _planval("bench-results/planval_adamw/timed_2s")
+    return _planval(ADAMW_VALIDATION)
 
 
 def validation(page: Path) -> List[str]:
@@ -66,7 +69,7 @@ def paper_adamw(page: Path) -> List[str]:
 
 def blocks() -> List[Block]:
     return [Block(PAGE, "planval", "bench-results/planval/defaults/", planval),
-            Block(PAGE, "planval-adamw", "bench-results/planval_adamw/timed_2s/", planval_adamw),
+            Block(PAGE, "planval-adamw", ADAMW_VALIDATION + "/", planval_adamw),
             Block(PAGE, "validation", "bench-results/validation/", validation),
             Block(PAGE, "paper", "bench-results/profiles/", paper),
             Block(PAGE, "paper-adamw", "bench-results/profiles/", paper_adamw)]

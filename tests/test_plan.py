@@ -1136,7 +1136,8 @@ def test_the_defaults_table_of_planner_md_is_what_plan_vs_bench_writes(monkeypat
             assert row["measured_step_s"] == bench["methods"][method]["step_s_median"]
     # The same under AdamW, each run trained with it and predicted from a
     # profile taken with it.
-    adamw = json.loads((REPO / "bench-results/planval_adamw/timed_2s/defaults.json").read_text())
+    adamw = json.loads((REPO / "bench-results/planval_adamw_polled/predicted/defaults.json")
+                       .read_text())
     markers = ("<!-- planval-adamw -->", "<!-- end planval-adamw -->")
     rendered = script.replace_marked(text, markers, script.markdown(adamw).split("\n"), page)
     assert rendered == text, "docs/planner.md's AdamW validation is not plan_vs_bench's"
