@@ -105,6 +105,14 @@ class Network:
         return dataclasses.replace(self, host_s_per_byte=0.0, stack_s_per_byte=0.0)
 
 
+def ring_moved(nbytes: float, ranks: int) -> float:
+    """Bytes a ring all-reduce of ``nbytes`` per rank moves over each rank's
+    link, each way: ``2(N-1)/N * nbytes``; 0 for one rank or no bytes."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (ranks - 1) / ranks * nbytes
+
+
 def ring_allreduce_s(nbytes: float, ranks: int, bytes_per_s: float, latency_s: float,
                      host_s_per_byte: float = 0.0) -> float:
     """``2(N-1) alpha + 2(N-1)/N * nbytes * (1/B + gamma)``; 0 for one rank or no bytes."""
@@ -112,9 +120,8 @@ def ring_allreduce_s(nbytes: float, ranks: int, bytes_per_s: float, latency_s: f
         raise ValueError(f"ranks must be >= 1, got {ranks!r}")
     if ranks == 1 or nbytes <= 0:
         return 0.0
-    steps = 2 * (ranks - 1)
-    moved = steps / ranks * nbytes
-    return steps * latency_s + moved / bytes_per_s + moved * host_s_per_byte
+    moved = ring_moved(nbytes, ranks)
+    return 2 * (ranks - 1) * latency_s + moved / bytes_per_s + moved * host_s_per_byte
 
 
 def allreduce_s(nbytes: float, ranks: int, net: Network) -> float:
@@ -147,10 +154,7 @@ def link_bytes(nbytes: float, ranks: int, net: Network) -> float:
     each way: ``2(N-1)/N`` of them on a ring, the ring across the nodes of
     the whole buffer where ``net.gpus_per_node > 1`` (0 on one node)."""
     g = net.gpus_per_node
-    nodes = ranks if g == 1 else (ranks // g if ranks > g else 1)
-    if nodes <= 1 or nbytes <= 0:
-        return 0.0
-    return 2 * (nodes - 1) / nodes * nbytes
+    return ring_moved(nbytes, ranks if g == 1 else (ranks // g if ranks > g else 1))
 
 
 def ring_allgather_s(nbytes: float, ranks: int, net: Network) -> float:
