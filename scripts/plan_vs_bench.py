@@ -226,6 +226,9 @@ def main(argv: List[str] = None) -> int:
                              "this script names them) instead of profiling again: the runs "
                              "replanned by today's planner from the profiles they were "
                              "validated with")
+    parser.add_argument("--profiles", type=Path, default=None,
+                        help="with --reuse-profiles: the folder of the profiles (default OUT), "
+                             "so that another prediction of the same runs needs no copies")
     parser.add_argument("--link-burst", action="store_true",
                         help="predict each run's link with the token bucket its topology "
                              "names (hvd-acp-plan --burst-bytes)")
@@ -238,7 +241,9 @@ def main(argv: List[str] = None) -> int:
         if not args.results:
             parser.error("give the runs' results.json (or --report-only)")
         args.out.mkdir(parents=True, exist_ok=True)
-        profiles: Dict[Tuple, Path] = (_saved_profiles(args.results, args.out)
+        if args.profiles is not None and not args.reuse_profiles:
+            parser.error("--profiles goes with --reuse-profiles")
+        profiles: Dict[Tuple, Path] = (_saved_profiles(args.results, args.profiles or args.out)
                                        if args.reuse_profiles else {})
         extra = ["--alone"] if args.alone else []
         found = [_predict(path.resolve(), args.out, profiles, extra, args.link_burst)

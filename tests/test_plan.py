@@ -783,6 +783,28 @@ def test_the_sgd_validation_runs_replanned_from_their_profiles_are_unchanged(tmp
                 (run["run"], method)
 
 
+def test_replanning_reads_the_saved_profiles_from_another_folder(tmp_path):
+    """``plan_vs_bench.py --reuse-profiles --profiles DIR`` predicts from the
+    profiles in DIR and writes only its predictions to OUT: the SGD
+    validation runs come out as published, with no profile copied."""
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(repo / "scripts"))
+    import plan_vs_bench
+    folder = repo / "bench-results" / "planval" / "defaults"
+    published = json.loads((folder / "defaults.json").read_text())
+    runs = [str(repo / run["run"] / "results.json") for run in published]
+    with pytest.raises(SystemExit):                  # --profiles needs --reuse-profiles
+        plan_vs_bench.main([*runs, "--out", str(tmp_path), "--profiles", str(folder)])
+    assert plan_vs_bench.main([*runs, "--out", str(tmp_path), "--reuse-profiles",
+                               "--profiles", str(folder)]) == 0
+    assert not list(tmp_path.glob("profile_*.json"))
+    again = json.loads((tmp_path / "defaults.json").read_text())
+    assert [{m: r["predicted_step_s"] for m, r in run["methods"].items()} for run in again] == \
+        [{m: r["predicted_step_s"] for m, r in run["methods"].items()} for run in published]
+
+
 def test_profile_model_fields_and_plans():
     from hvd_acp.fusion import make_layouts, plan_buckets
     from hvd_acp.compression import Phase
