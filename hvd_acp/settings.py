@@ -174,7 +174,9 @@ class Settings:
        int32 word (:mod:`hvd_acp.lanes`): half of fp16's bytes for the
        factors (1-D tensors and uncompressed matrices keep ``fp16_wire``'s,
        in buffers of their own). The scale of each factor column is the last
-       step's average of it (identical on every rank), and the error
+       step's average of it (identical on every rank), times its growth
+       from the average before (up to 4x, so that gradients growing
+       through a warm-up are not clipped), and the error
        feedback keeps what rounding and clipping leave out
        (:mod:`hvd_acp.codecs.int8`). A rank has ``127 // N`` levels either
        side of zero for N ranks (15 at 8 ranks), up to 127 ranks. The first

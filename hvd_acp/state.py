@@ -77,9 +77,14 @@ class CompressedTensor:
         p: shape (n, r), the last averaged P (identical on every rank).
         q: shape (m, r), the last averaged Q (identical on every rank).
         error: shape (n, m), this rank's residual ``E``.
+        previous_maxima: the column maxima, shape (1, r) each, of the P and Q
+            averaged before ``p`` and ``q`` (identical on every rank), which
+            the 8-bit codec scales by (:mod:`hvd_acp.codecs.int8`); None
+            until it has committed a step.
     """
 
-    __slots__ = ("layout", "p", "q", "error", "_error_shaped", "_basis_t", "_sent")
+    __slots__ = ("layout", "p", "q", "error", "previous_maxima", "_error_shaped", "_basis_t",
+                 "_sent")
 
     def __init__(self, layout: TensorLayout, generator: torch.Generator,
                  device: torch.device) -> None:
@@ -88,6 +93,7 @@ class CompressedTensor:
         self.q = init_factor(lay.m, lay.r, generator, lay.dtype, device)
         self.p = init_factor(lay.n, lay.r, generator, lay.dtype, device)
         self.error = torch.zeros(lay.n, lay.m, dtype=lay.dtype, device=device)
+        self.previous_maxima: Optional[Tuple[Tensor, Tensor]] = None
         #: ``error`` viewed in the parameter's shape, made once: a gradient of
         #: that shape is added in without an operator call to view it.
         self._error_shaped = self.error.view(lay.shape)
@@ -105,6 +111,7 @@ class CompressedTensor:
         self.layout = layout
         self.p = p.to(dtype=layout.dtype, device=self.error.device).contiguous()
         self.q = q.to(dtype=layout.dtype, device=self.error.device).contiguous()
+        self.previous_maxima = None                    # of other columns
 
     def transpose(self, basis: Tensor) -> Tensor:
         """``basis.T``, the view made once per basis."""
@@ -191,6 +198,9 @@ class CompressedTensor:
 
     def state_dict(self, with_error: bool = True) -> Dict[str, Tensor]:
         entry = {"P": self.p.clone(), "Q": self.q.clone()}
+        if self.previous_maxima is not None:
+            entry["P_previous_maxima"] = self.previous_maxima[0].clone()
+            entry["Q_previous_maxima"] = self.previous_maxima[1].clone()
         if with_error:
             entry["error"] = self.error.clone()
         return entry
@@ -200,6 +210,11 @@ class CompressedTensor:
         restarts from zero unless ``keep_error`` and the entry has one."""
         self.p.copy_(entry["P"])
         self.q.copy_(entry["Q"])
+        self.previous_maxima = None
+        if "P_previous_maxima" in entry and "Q_previous_maxima" in entry:
+            self.previous_maxima = tuple(
+                entry[key].to(dtype=self.p.dtype, device=self.p.device).clone()
+                for key in ("P_previous_maxima", "Q_previous_maxima"))
         if keep_error and "error" in entry:
             self.error.copy_(entry["error"])
         else:
@@ -759,8 +774,10 @@ class CompressionState:
                     f"at a rank in [1, {limit}] (a checkpoint of another model?)")
             expected = {"P": (lay.n, rank), "Q": (lay.m, rank), "error": (lay.n, lay.m)}
         else:
+            rank = tensor.p.shape[-1]
             expected = {"P": tuple(tensor.p.shape), "Q": tuple(tensor.q.shape),
                         "error": tuple(tensor.error.shape)}
+        expected.update({"P_previous_maxima": (1, rank), "Q_previous_maxima": (1, rank)})
         for key, shape in expected.items():
             if key in entry and tuple(entry[key].shape) != shape:
                 raise ValueError(

@@ -65,6 +65,50 @@ def test_column_steps_scale_each_column_with_a_floor():
     assert (column_steps(torch.zeros(3, 2), 2.0, 4) > 0).all()
 
 
+def test_column_steps_follow_each_columns_growth_within_the_limit():
+    factor = torch.tensor([[4.0, 1.0, -2.0], [0.0, -1.0, 1.0]])
+    plain = column_steps(factor, headroom=2.0, levels=4)
+    before = torch.tensor([[1.0, 2.0, 1.0]])       # grew 4x, shrank, grew 2x
+    grown = column_steps(factor, 2.0, 4, before=before, max_growth=3.0)
+    assert torch.equal(grown, plain * torch.tensor([[3.0, 1.0, 2.0]]))
+    assert torch.equal(column_steps(factor, 2.0, 4, before=before, max_growth=1.0), plain)
+    assert torch.equal(column_steps(factor, 2.0, 4, before=None, max_growth=3.0), plain)
+    with pytest.raises(ValueError, match="max_growth"):
+        Int8PQCodec(15, max_growth=0.5)
+
+
+def test_the_steps_grow_with_the_averages_and_the_maxima_are_checkpointed():
+    # Two 8-bit steps on one rank: the second's steps are the first's rule on
+    # the new average times its growth; a checkpoint carries the maxima, and
+    # a state loaded from it takes the same steps.
+    state = _state(world=1)
+    state.step_count = 1
+    tensor, codec = state.tensors["w"], state.codec
+    assert tensor.previous_maxima is None
+    for scale in (1.0, 10.0):
+        basis = state.bases(["w"])["w"]
+        out = torch.empty(70, 3)
+        state.encode_("w", scale * torch.randn(40, 30), out, codec, basis=basis)
+        p_before = tensor.p.abs().amax(dim=0, keepdim=True)
+        tensor.decode_(codec, out.clone(), basis, torch.empty(40, 30))
+        assert torch.equal(tensor.previous_maxima[0], p_before)
+        state._bases, state._bases_codec = {}, None
+    growth = (tensor.p.abs().amax(dim=0, keepdim=True) / tensor.previous_maxima[0])
+    assert (growth > 1).any()
+    expected = column_steps(tensor.p, codec.headroom, codec.levels) * growth.clamp(1, 4)
+    assert torch.allclose(codec.steps(tensor)[0], expected)
+    saved = state.state_dict(rank=0, world_size=1)
+    assert set(saved["params"]["w"]) == {"P", "Q", "P_previous_maxima", "Q_previous_maxima",
+                                         "error"}
+    other = _state(world=1)
+    other.load_state_dict(saved, rank=0)
+    for mine, theirs in zip(codec.steps(tensor), other.codec.steps(other.tensors["w"])):
+        assert torch.equal(mine, theirs)
+    saved["params"]["w"]["P_previous_maxima"] = torch.ones(1, 4)
+    with pytest.raises(ValueError, match="P_previous_maxima has shape"):
+        other.load_state_dict(saved, rank=0)
+
+
 def _state(world=2):
     settings = hvd_acp.Settings(matrix_rank=3, int8_factors=True, step_ahead=0).resolve()
     state = CompressionState(settings, world_size=world)

@@ -5,11 +5,23 @@ bytes on the wire, half of fp16's.
 
 A factor column's scale is the same column of the factor averaged in the
 step before (identical on every rank) times ``headroom``, over the levels a
-rank has, ``L = 127 // N`` for N ranks::
+rank has, ``L = 127 // N`` for N ranks, times the column's growth between
+the two averages before, ``g_j`` (1 where there is no average before that
+one; at most ``max_growth``)::
 
-    step_j = headroom * max_i |P_prev[i, j]| / L
+    g_j    = clamp(max_i |P_prev[i, j]| / max_i |P_prev2[i, j]|, 1, max_growth)
+    step_j = headroom * g_j * max_i |P_prev[i, j]| / L
     sent:    clamp(round(P_i / step), -L, L)          (Q_i alike)
     average: (the levels' sum / N) * step
+
+The growth keeps the levels ahead of gradients that grow from step to step
+(a learning rate's warm-up): from the last average alone, up to a tenth of
+the elements a step were clipped there on the Trainer's GPT-2 at 2 ranks,
+and a run fell behind S-SGD for good on one seed in three
+(docs/convergence.md, "Below a tenth of the bytes"). Both averages are
+identical on every rank, so the steps are too, and nothing more is sent;
+the column maxima of the one before are the tensor's ``previous_maxima``,
+saved in checkpoints.
 
 What rounding and clipping leave out stays in this rank's residual, which
 is ``A`` less the projection rebuilt from its own dequantized ``P_i`` and
@@ -24,7 +36,7 @@ The first compressed step has no averaged factors to scale by: it is a
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -33,19 +45,31 @@ from ..compression import compress_both_
 from ..lanes import quantize_
 from .both import PQCodec
 
-__all__ = ["Int8PQCodec", "column_steps"]
+__all__ = ["Int8PQCodec", "column_maxima", "column_steps"]
 
 #: A zero column's floor, as a share of the tensor's largest column.
 _FLOOR_SHARE = 2.0 ** -8
 
 
-def column_steps(factor: Tensor, headroom: float, levels: int) -> Tensor:
+def column_maxima(factor: Tensor) -> Tensor:
+    """``max |column|`` of each column of a factor (n, r); shape (1, r)."""
+    return factor.abs().amax(dim=0, keepdim=True)
+
+
+def column_steps(factor: Tensor, headroom: float, levels: int,
+                 before: Optional[Tensor] = None, max_growth: float = 1.0) -> Tensor:
     """The quantization step of each column of a factor (n, r) averaged in
     the step before: ``headroom * max |column| / levels``, floored (see the
-    module's text); shape (1, r), > 0."""
-    largest = factor.abs().amax(dim=0, keepdim=True)
+    module's text), times the column's growth from ``before`` (the column
+    maxima of the average before that one, shape (1, r)) within
+    ``[1, max_growth]``; shape (1, r), > 0."""
+    largest = column_maxima(factor)
     floor = (largest.amax() * _FLOOR_SHARE).clamp_min(torch.finfo(factor.dtype).tiny)
-    return torch.maximum(largest, floor).mul_(headroom / levels)
+    steps = torch.maximum(largest, floor).mul_(headroom / levels)
+    if before is not None and max_growth > 1:
+        steps.mul_((largest / before.clamp_min(torch.finfo(factor.dtype).tiny))
+                   .clamp_(1.0, max_growth))
+    return steps
 
 
 class Int8PQCodec(PQCodec):
@@ -55,19 +79,25 @@ class Int8PQCodec(PQCodec):
         levels: the levels a rank has either side of zero
             (:func:`hvd_acp.lanes.levels_per_rank` of the world size).
         headroom: the scale over the last average's largest element (2).
+        max_growth: the most a column's step grows with its average's
+            growth (4; 1 for the last average alone).
     """
 
     name = "PQ8"
     lanes = True
     copies_payload = False
 
-    def __init__(self, levels: int, headroom: float = 2.0) -> None:
-        self.levels, self.headroom = levels, headroom
+    def __init__(self, levels: int, headroom: float = 2.0, max_growth: float = 4.0) -> None:
+        if not max_growth >= 1:
+            raise ValueError(f"max_growth must be >= 1, got {max_growth!r}")
+        self.levels, self.headroom, self.max_growth = levels, headroom, max_growth
 
     def steps(self, tensor) -> Tuple[Tensor, Tensor]:
-        """The steps of ``P``'s and ``Q``'s columns, from the factors kept."""
-        return (column_steps(tensor.p, self.headroom, self.levels),
-                column_steps(tensor.q, self.headroom, self.levels))
+        """The steps of ``P``'s and ``Q``'s columns, from the factors kept
+        and the column maxima of the averages before them."""
+        before = tensor.previous_maxima or (None, None)
+        return (column_steps(tensor.p, self.headroom, self.levels, before[0], self.max_growth),
+                column_steps(tensor.q, self.headroom, self.levels, before[1], self.max_growth))
 
     def encode_(self, tensor, basis, out):
         compress_both_(None, tensor.error, basis[0], basis[1], out)
@@ -83,10 +113,12 @@ class Int8PQCodec(PQCodec):
         step_p, step_q = self.steps(tensor)          # before the factors change
         averaged[:n].mul_(step_p)
         averaged[n:].mul_(step_q)
+        tensor.previous_maxima = (column_maxima(tensor.p), column_maxima(tensor.q))
         return super().commit_(tensor, averaged)
 
     def counted_twice(self, tensor, basis, out):
         return None
 
     def __repr__(self) -> str:
-        return f"Int8PQCodec(levels={self.levels}, headroom={self.headroom:g})"
+        return (f"Int8PQCodec(levels={self.levels}, headroom={self.headroom:g}, "
+                f"max_growth={self.max_growth:g})")

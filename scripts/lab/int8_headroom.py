@@ -2,7 +2,9 @@
 
 ``Int8PQCodec`` scales each factor column by ``headroom`` times its last
 average (hvd_acp/codecs/int8.py); the library fixes it. This runs SCRIPT
-with the codec's default headroom replaced, under any launcher::
+with the codec's default headroom replaced and its growth off (the study
+ran before the steps followed their columns' growth; ``MAX_GROWTH=4`` for
+the library's), under any launcher::
 
     HEADROOM=4 .venv/bin/torchrun --nproc-per-node 2 scripts/lab/int8_headroom.py \\
         scripts/trainer_lm.py --method acp --int8-factors --matrix-rank 0.2 --seed 1 ...
@@ -17,7 +19,8 @@ from pathlib import Path
 import hvd_acp.codecs.int8 as int8
 
 script = Path(sys.argv[1]).resolve()
-int8.Int8PQCodec.__init__.__defaults__ = (float(os.environ["HEADROOM"]),)
+int8.Int8PQCodec.__init__.__defaults__ = (float(os.environ["HEADROOM"]),
+                                           float(os.environ.get("MAX_GROWTH", "1")))
 sys.path.insert(0, str(script.parent))
 sys.argv = [str(script), *sys.argv[2:]]
 runpy.run_path(str(script), run_name="__main__")
