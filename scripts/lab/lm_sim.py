@@ -21,6 +21,14 @@
                     the step kappa * (the workers' own column maxima of the step before,
                     averaged) / L instead of the last average's (an integer per column in
                     the same all-reduce would carry the sum)
+  {"int8": kappa, "split": 1}
+                    the core Ph^T A Qh (r x r) once, in fp16 (counted), and only the factors'
+                    parts outside the bases, P_i - Ph C_i and Q_i - Qh C_i^T, in 8-bit levels,
+                    on steps from the last average of those parts
+  {"int8": kappa, "stats": 1}
+                    every 50 steps, per matrix: the core's share of a factor's energy (with
+                    "split"), the columns' largest element over their root mean square, and a
+                    worker's column maxima over the last average's (lines "STAT", "SPIKE")
   --method tsr      the TSR-style baseline (run_tsr: core all-reduce, sketched refresh, Adam in
                     the core)
 Screened (seed 0, 4 workers, 3 layers, batch 16, 300 steps, AdamW lr 1e-2, S-SGD's best of
@@ -270,6 +278,22 @@ class Compressor:
             Qh, Ph = orth(self.Q), orth(self.P)
             Ploc = [s @ Qh for s in S]
             Qloc = [s.t() @ Ph for s in S]
+            split = o.get("split")
+            if split:
+                # the core Ph^T A Qh once, in floats; only the parts outside the bases quantized
+                Cloc = [Ph.t() @ x for x in Ploc]
+                Ploc = [x - Ph @ c for x, c in zip(Ploc, Cloc)]
+                Qloc = [x - Qh @ c.t() for x, c in zip(Qloc, Cloc)]
+                if o.get("stats") and self.step % 50 == 1:
+                    pe = sum(float(x.pow(2).sum()) for x in Ploc)
+                    ce = sum(float(c.pow(2).sum()) for c in Cloc)
+                    print(f"STAT step={self.step} shape={self.rows}x{self.cols} core_share={ce / (ce + pe + 1e-30):.3f}", flush=True)
+            if o.get("stats") and self.step % 50 == 1:
+                def _ratio(xs):
+                    x = torch.stack(xs)
+                    return float((x.abs().amax(1) / x.pow(2).mean(1).sqrt().clamp_min(1e-30)).median())
+                lp = float(torch.stack([x.abs().amax(0) for x in Ploc]).median() / self.P.abs().amax(0).median().clamp_min(1e-30))
+                print(f"SPIKE step={self.step} shape={self.rows}x{self.cols} p_max/rms={_ratio(Ploc):.2f} q_max/rms={_ratio(Qloc):.2f} local/avg_max_p={lp:.2f}", flush=True)
             if o.get("own"):
                 own_p = sum(x.abs().amax(0) for x in Ploc) / self.n
                 own_q = sum(x.abs().amax(0) for x in Qloc) / self.n
@@ -293,9 +317,17 @@ class Compressor:
                         clipped = sum(((x / d).abs() > L + 0.5).any(0).float() for x in loc)
                         h.mul_(torch.where(clipped > 0, torch.tensor(float(grow)),
                                            torch.tensor(float(shrink)))).clamp_(low, high)
+                if split and hasattr(self, "Pperp"):
+                    dp = (hp * self.Pperp.abs().amax(0) / L).clamp_min(1e-30)
+                    dq = (hq * self.Qperp.abs().amax(0) / L).clamp_min(1e-30)
                 Ploc = [(x / dp).round().clamp(-L, L) * dp for x in Ploc]
                 Qloc = [(x / dq).round().clamp(-L, L) * dq for x in Qloc]
                 fl = fl / 2 * float(o.get("lane_bytes", 1))
+            if split:
+                fl = fl + self.r * self.r
+                self.Pperp, self.Qperp = sum(Ploc) / self.n, sum(Qloc) / self.n
+                Ploc = [x + Ph @ c for x, c in zip(Ploc, Cloc)]
+                Qloc = [x + Qh @ c.t() for x, c in zip(Qloc, Cloc)]
             if o.get("own"):
                 self.own_p, self.own_q = own_p, own_q
             P, Qn = sum(Ploc) / self.n, sum(Qloc) / self.n

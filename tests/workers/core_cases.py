@@ -23,6 +23,7 @@ Every rank can regenerate every rank's inputs (a generator seeded by rank
 and step), so expected values are computed here, not hard-coded.
 """
 import sys
+import time
 
 import horovod.torch as hvd
 import torch
@@ -373,7 +374,6 @@ def check_waiting_is_idle(delay_s=1.0):
     instead of spinning (Horovod's synchronize keeps a core busy): rank 1
     starts its backward ``delay_s`` late; rank 0's training thread must use
     under a third of the wall time of its step() in CPU time."""
-    import time
     torch.manual_seed(0)
     model = build_mlp(0)
     opt = hvd_acp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -392,6 +392,7 @@ def check_waiting_is_idle(delay_s=1.0):
     assert wall > 0.5 * delay_s, f"rank 0 waited {wall:.3f} s in step(), not ~{delay_s} s"
     assert cpu < wall / 3, f"rank 0's step() used {cpu:.3f} s of CPU in {wall:.3f} s"
     assert_replicas_identical(model, "waiting")
+    opt.close()
     report("waiting_is_idle", f"wall={wall:.3f} cpu={cpu:.3f}")
 
 

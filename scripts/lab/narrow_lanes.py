@@ -1,0 +1,32 @@
+"""Run a training script with ``int8_factors``' lanes narrower than 8 bits: a study, not a
+setting.
+
+hvd_acp.lanes packs four 8-bit balanced digits to an int32 word, so N ranks have
+``127 // N`` levels each and an element costs a byte. With LANE_BITS=b the same code packs
+``32 // b`` digits of b bits to a word (6 bits: five a word, 6.4 bits an element; 5 bits: six,
+5.33 bits), each digit's sum within ``2^(b-1) - 1``, so a rank has ``(2^(b-1) - 1) // N``
+levels (6 bits at 4 ranks: 7) and a higher rank fits the same bytes. The scripts' byte counts
+still price an element at a byte; the study's tables scale them by ``b' / 8``, ``b'`` the bits
+an element takes (32 / (32 // b)). Under any launcher::
+
+    LANE_BITS=6 .venv/bin/horovodrun -np 4 -H localhost:4 --gloo .venv/bin/python \\
+        scripts/lab/narrow_lanes.py scripts/user_lm.py --optimizer acp --int8-factors \\
+        --matrix-rank 0.25 ...
+"""
+import os
+import runpy
+import sys
+from pathlib import Path
+
+import hvd_acp.lanes as lanes
+
+bits = int(os.environ["LANE_BITS"])
+lanes.LANES_PER_WORD = 32 // bits
+lanes._BASE = 2 ** bits
+lanes.DIGIT_MAX = 2 ** (bits - 1) - 1
+assert lanes.DIGIT_MAX * sum(lanes._BASE ** k for k in range(lanes.LANES_PER_WORD)) < 2 ** 31
+
+script = Path(sys.argv[1]).resolve()
+sys.path.insert(0, str(script.parent))
+sys.argv = [str(script), *sys.argv[2:]]
+runpy.run_path(str(script), run_name="__main__")
