@@ -135,6 +135,8 @@ def _registry():
         Block("docs/convergence.md", "lm-adam", "bench-results/lm_adam/", lm_report.section),
         Block("docs/convergence.md", "lm-int8", "bench-results/lm_int8/",
               lm_int8_table.section),
+        Block("docs/convergence.md", "lm-int8-seeds", "bench-results/lm_int8_seeds/",
+              lm_int8_table.seeds_section),
         Block("docs/convergence.md", "amp", "bench-results/amp/", amp_convergence.section),
         *planner_report.blocks(),
     )
@@ -146,6 +148,8 @@ def _registry():
         Page("bench-results/amp/results.md", "bench-results/amp/", amp_convergence.results_page),
         Page("bench-results/lm_int8/results.md", "bench-results/lm_int8/",
              lm_int8_table.results_page),
+        Page("bench-results/lm_int8_seeds/results.md", "bench-results/lm_int8_seeds/",
+             lm_int8_table.seeds_page),
     )
     figures = (*bench_doc.figures(RESULTS, IMG), *lm_report.figures(IMG))
     return blocks, pages, figures

@@ -1,6 +1,7 @@
 """The 8-bit factors' runs (bench-results/lm_int8/) against S-SGD at its best rate:
-the block ``lm-int8`` of docs/convergence.md and bench-results/lm_int8/results.md
-(both written by ``scripts/docgen.py``).
+the block ``lm-int8`` of docs/convergence.md and bench-results/lm_int8/results.md,
+and the runs on more seeds (bench-results/lm_int8_seeds/): the block ``lm-int8-seeds``
+and bench-results/lm_int8_seeds/results.md (all written by ``scripts/docgen.py``).
 
 Reads every run summary under ``bench-results/lm_int8/<recipe>/`` (written by
 ``--summary`` of examples/train_lm.py, scripts/user_lm.py and
@@ -25,21 +26,40 @@ from typing import List
 REPO = Path(__file__).resolve().parent.parent
 RUNS = REPO / "bench-results" / "lm_int8"
 REFERENCE = REPO / "bench-results" / "lm_adam"
+#: More seeds of a recipe: S-SGD and the settings side by side, beyond seeds 0-2.
+MORE_SEEDS = REPO / "bench-results" / "lm_int8_seeds"
 TITLES = {"train_lm_np4": "examples/train_lm.py, 4 ranks (1,000 steps)",
           "user_lm_np4": "scripts/user_lm.py, 4 ranks (400 steps)",
           "user_lm_np8": "scripts/user_lm.py, 8 ranks (400 steps)",
           "trainer_lm_np2": "scripts/trainer_lm.py: the Trainer's GPT-2, 2 ranks (300 steps)"}
 NAME = re.compile(r"(?P<setting>.+)_lr(?P<rate>[0-9.e-]+)_s(?P<seed>\d+)\.json")
 LABELS = {"acp_int8_share_0_2":
-          "ACP-SGD, int8 factors, share 0.2 (headroom 2, the library's)",
-          "acp_int8_k4_share_0_2": "ACP-SGD, int8 factors, share 0.2, headroom 4",
-          "acp_int8_k8_share_0_2": "ACP-SGD, int8 factors, share 0.2, headroom 8",
-          "acp_int8_lead20_share_0_2": "ACP-SGD, int8 factors, share 0.2, 20 float steps first",
+          "ACP-SGD, int8 factors, share 0.2, steps from the last average alone (before the growth)",
+          "acp_int8_trend_share_0_2":
+          "ACP-SGD, int8 factors, share 0.2 (the library's: steps follow the growth, up to 4x)",
+          "acp_int8_growth2_share_0_2":
+          "ACP-SGD, int8 factors, share 0.2, steps follow the growth up to 2x (study)",
+          "acp_int8_sa0_share_0_2":
+          "ACP-SGD, int8 factors, share 0.2, step-ahead 0 (before the growth)",
+          "acp_int8_sa0_1_share_0_2":
+          "ACP-SGD, int8 factors, share 0.2, step-ahead 0.1 (before the growth)",
+          "acp_budget_1_40_growth": "ACP-SGD, budget=0.025 (1/40)",
+          "acp_int8_k4_share_0_2": "ACP-SGD, int8 factors, share 0.2, headroom 4 (before the growth)",
+          "acp_int8_k8_share_0_2": "ACP-SGD, int8 factors, share 0.2, headroom 8 (before the growth)",
+          "acp_int8_lead20_share_0_2": "ACP-SGD, int8 factors, share 0.2, 20 float steps first (before the growth)",
           "acp_fp16_share_0_2": "ACP-SGD, fp16 factors, share 0.2 (the control)",
+          "acp_int8_rot_share_0_2":
+          "ACP-SGD, int8 factors, share 0.2, levels on rotated factors (study, before the growth)",
+          "acp_int8_block16_share_0_2":
+          "ACP-SGD, int8 factors, share 0.2, a step per 16 rows (study, before the growth)",
+          "acp_int8_adapt_share_0_2":
+          "ACP-SGD, int8 factors, share 0.2, headroom following the clipping (study, before the growth)",
+          "acp_lanes6_share_0_25": "ACP-SGD, 6-bit lanes, share 0.25 (study, before the growth)",
+          "acp_lanes5_share_0_3": "ACP-SGD, 5-bit lanes, share 0.3 (study, before the growth)",
           "acp_fp16_share_0_1": "ACP-SGD, fp16 factors, share 0.1 (the 8-bit factors' bytes)",
-          "acp_int8_share_0_25": "ACP-SGD, int8 factors, share 0.25",
-          "acp_int8_share_0_06": "ACP-SGD, int8 factors, share 0.06",
-          "acp_budget_1_40": "ACP-SGD, budget=0.025 (1/40)",
+          "acp_int8_share_0_25": "ACP-SGD, int8 factors, share 0.25 (before the growth)",
+          "acp_int8_share_0_06": "ACP-SGD, int8 factors, share 0.06 (before the growth)",
+          "acp_budget_1_40": "ACP-SGD, budget=0.025 (1/40), before the growth",
           "acp_budget_1_13": "ACP-SGD, budget=0.077 (1/13)",
           "tsr_r32_k10_scale8": "TSR-style, r 32, K 10, scale 8",
           "tsr_r32_k10_scale1": "TSR-style, r 32, K 10, scale 1"}
@@ -96,6 +116,56 @@ def section(page: Path = None) -> List[str]:
     return "\n\n".join(table(r) for r in recipes).split("\n")
 
 
+def _seeds_of(setting: str, recipe: str, rate: str) -> dict:
+    """Final losses by seed: seeds 0-2 where the tables above have them, then
+    bench-results/lm_int8_seeds/ (S-SGD is ``s_sgd``)."""
+    found = {}
+    first = REFERENCE if setting == "s_sgd" else RUNS
+    for folder in (first / recipe, MORE_SEEDS / recipe):
+        for path in sorted(folder.glob(f"{setting}_lr{rate}_s*.json")):
+            match = NAME.fullmatch(path.name)
+            if match and match["setting"] == setting:
+                found.setdefault(int(match["seed"]), load(path)["val_loss"])
+    return found
+
+
+def seeds_section(page: Path = None) -> List[str]:
+    """Each setting run on more than three seeds against S-SGD on the same
+    seeds: the paired gaps' mean, their spread and the mean's standard error."""
+    lines = []
+    for recipe_dir in sorted(MORE_SEEDS.glob("*")):
+        if not recipe_dir.is_dir():
+            continue
+        recipe = recipe_dir.name
+        rates = sorted({NAME.fullmatch(p.name)["rate"] for p in recipe_dir.glob("*.json")
+                        if NAME.fullmatch(p.name)})
+        lines += [f"**{TITLES.get(recipe, recipe)}, more seeds**", "",
+                  "| setting | rate | seeds | gap per seed | mean gap | standard deviation "
+                  "| standard error of the mean | mean of seeds 0-2 |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for rate in rates:
+            reference = _seeds_of("s_sgd", recipe, rate)
+            settings = sorted({NAME.fullmatch(p.name)["setting"]
+                               for p in recipe_dir.glob(f"*_lr{rate}_s*.json")} - {"s_sgd"})
+            for setting in settings:
+                runs = _seeds_of(setting, recipe, rate)
+                seeds = sorted(set(runs) & set(reference))
+                gaps = [runs[k] / reference[k] - 1 for k in seeds]
+                if len(gaps) < 2:
+                    continue
+                mean = sum(gaps) / len(gaps)
+                sd = (sum((g - mean) ** 2 for g in gaps) / (len(gaps) - 1)) ** 0.5
+                first = [g for k, g in zip(seeds, gaps) if k < 3]
+                first_mean = f"{sum(first) / len(first):+.2%}" if first else "-"
+                lines.append(
+                    f"| {LABELS.get(setting, setting)} | {rate} | {seeds[0]}-{seeds[-1]} "
+                    f"({len(seeds)}) | {', '.join(f'{g:+.2%}' for g in gaps)} "
+                    f"| **{mean:+.2%}** | {sd:.2%} | {sd / len(gaps) ** 0.5:.2%} "
+                    f"| {first_mean} |")
+        lines.append("")
+    return lines[:-1] if lines else ["No runs in bench-results/lm_int8_seeds/ yet."]
+
+
 def results_page() -> str:
     """bench-results/lm_int8/results.md."""
     return "\n".join([
@@ -104,3 +174,16 @@ def results_page() -> str:
         "its best rate in bench-results/lm_adam/ (scripts/lm_study.py). Gaps are paired by "
         "seed. The commands: docs/convergence.md, \"Below a tenth of the bytes\".", "",
         *section(), ""])
+
+
+def seeds_page() -> str:
+    """bench-results/lm_int8_seeds/results.md."""
+    return "\n".join([
+        "# The 8-bit factors on more seeds", "",
+        "Generated by `scripts/docgen.py` (`scripts/lm_int8_table.py`). Seeds 0-2 of a "
+        "setting and of S-SGD are the runs of bench-results/lm_int8/ and "
+        "bench-results/lm_adam/; the others are here, with S-SGD's (`s_sgd_*`) on the same "
+        "seeds. Gaps are paired by seed; the standard deviation is the gaps' (n - 1), the "
+        "standard error the mean's. The commands: docs/convergence.md, \"Below a tenth of "
+        "the bytes\".", "",
+        *seeds_section(), ""])

@@ -107,6 +107,12 @@ def test_the_steps_grow_with_the_averages_and_the_maxima_are_checkpointed():
     saved["params"]["w"]["P_previous_maxima"] = torch.ones(1, 4)
     with pytest.raises(ValueError, match="P_previous_maxima has shape"):
         other.load_state_dict(saved, rank=0)
+    # A checkpoint from before the growth loads; its first 8-bit step takes none.
+    del saved["params"]["w"]["P_previous_maxima"], saved["params"]["w"]["Q_previous_maxima"]
+    other.load_state_dict(saved, rank=0)
+    assert other.tensors["w"].previous_maxima is None
+    assert torch.equal(other.codec.steps(other.tensors["w"])[0],
+                       column_steps(tensor.p, codec.headroom, codec.levels))
 
 
 def _state(world=2):
