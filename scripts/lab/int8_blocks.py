@@ -38,12 +38,13 @@ def block_steps(factor, headroom, levels):
 
 
 class BlockInt8PQCodec(int8.Int8PQCodec):
+    def __init__(self, levels, headroom=float(os.environ.get("HEADROOM", "2"))):
+        super().__init__(levels, headroom)
     def steps(self, tensor):
         return (block_steps(tensor.p, self.headroom, self.levels),
                 block_steps(tensor.q, self.headroom, self.levels))
 
 
-BlockInt8PQCodec.__init__.__defaults__ = (float(os.environ.get("HEADROOM", "2")),)
 codecs.Int8PQCodec = BlockInt8PQCodec
 
 script = Path(sys.argv[1]).resolve()

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+import hvd_acp.codecs as codecs
 import hvd_acp.codecs.int8 as int8
 from hvd_acp.compression import compress_both_
 from hvd_acp.lanes import quantize_
@@ -60,6 +61,8 @@ def rotate(x, inverse=False):
 
 
 class RotatedInt8PQCodec(int8.Int8PQCodec):
+    def __init__(self, levels, headroom=float(os.environ.get("HEADROOM", "2"))):
+        super().__init__(levels, headroom)
     def steps(self, tensor):
         return (int8.column_steps(rotate(tensor.p), self.headroom, self.levels),
                 int8.column_steps(rotate(tensor.q), self.headroom, self.levels))
@@ -82,12 +85,7 @@ class RotatedInt8PQCodec(int8.Int8PQCodec):
         return int8.PQCodec.commit_(self, tensor, averaged)
 
 
-RotatedInt8PQCodec.__init__.__defaults__ = (float(os.environ.get("HEADROOM", "2")),)
-int8.Int8PQCodec = RotatedInt8PQCodec
-import hvd_acp.settings as _settings  # noqa: E402  the settings make the codec by this name
-for _mod in list(sys.modules.values()):
-    if getattr(_mod, "Int8PQCodec", None) is not None and _mod is not int8:
-        _mod.Int8PQCodec = RotatedInt8PQCodec
+codecs.Int8PQCodec = RotatedInt8PQCodec        # the settings make the codec by this name
 
 script = Path(sys.argv[1]).resolve()
 sys.path.insert(0, str(script.parent))
