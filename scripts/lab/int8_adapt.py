@@ -12,9 +12,6 @@ tensor, counted in the bytes), so the headrooms stay identical on every rank. Un
         scripts/trainer_lm.py --method acp --int8-factors --matrix-rank 0.2 --seed 1 ...
 """
 import os
-import runpy
-import sys
-from pathlib import Path
 
 import torch
 
@@ -22,6 +19,7 @@ import hvd_acp.codecs as codecs
 import hvd_acp.codecs.int8 as int8
 from hvd_acp.compression import compress_both_
 from hvd_acp.lanes import quantize_
+from run_script import run_script
 
 GROW, SHRINK, LOW, HIGH = (float(x) for x in os.environ.get("ADAPT", "2,0.9,1,16").split(","))
 _HEAD = {}
@@ -68,7 +66,4 @@ class AdaptInt8PQCodec(int8.Int8PQCodec):
 
 codecs.Int8PQCodec = AdaptInt8PQCodec
 
-script = Path(sys.argv[1]).resolve()
-sys.path.insert(0, str(script.parent))
-sys.argv = [str(script), *sys.argv[2:]]
-runpy.run_path(str(script), run_name="__main__")
+run_script()

@@ -11,14 +11,12 @@ and a block of small elements gets steps as fine as its elements. Under any laun
         scripts/trainer_lm.py --method acp --int8-factors --matrix-rank 0.2 --seed 1 ...
 """
 import os
-import runpy
-import sys
-from pathlib import Path
 
 import torch
 
 import hvd_acp.codecs as codecs
 import hvd_acp.codecs.int8 as int8
+from run_script import run_script
 
 BLOCK = int(os.environ.get("BLOCK", "16"))
 FLOOR = float(os.environ.get("FLOOR", str(2.0 ** -8)))
@@ -47,7 +45,4 @@ class BlockInt8PQCodec(int8.Int8PQCodec):
 
 codecs.Int8PQCodec = BlockInt8PQCodec
 
-script = Path(sys.argv[1]).resolve()
-sys.path.insert(0, str(script.parent))
-sys.argv = [str(script), *sys.argv[2:]]
-runpy.run_path(str(script), run_name="__main__")
+run_script()

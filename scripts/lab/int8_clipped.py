@@ -15,9 +15,6 @@ average alone, as the library did before its steps followed the growth. Under ``
         scripts/trainer_lm.py --method acp --int8-factors --matrix-rank 0.2 --seed 1 ...
 """
 import os
-import runpy
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -25,6 +22,7 @@ import torch.distributed as dist
 import hvd_acp.codecs.int8 as int8
 from hvd_acp.compression import compress_both_
 from hvd_acp.lanes import quantize_
+from run_script import run_script
 
 _COUNTS = {"elements": 0, "clipped": 0, "zero": 0, "columns": 0, "columns_clipped": 0}
 _CALLS = [0]
@@ -60,7 +58,4 @@ int8.Int8PQCodec.encode_ = counting_encode_
 if "MAX_GROWTH" in os.environ:
     int8.Int8PQCodec.__init__.__defaults__ = (2.0, float(os.environ["MAX_GROWTH"]))
 
-script = Path(sys.argv[1]).resolve()
-sys.path.insert(0, str(script.parent))
-sys.argv = [str(script), *sys.argv[2:]]
-runpy.run_path(str(script), run_name="__main__")
+run_script()

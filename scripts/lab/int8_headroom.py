@@ -12,15 +12,10 @@ the library's), under any launcher::
         scripts/lab/int8_headroom.py examples/train_lm.py --optimizer acp --int8-factors ...
 """
 import os
-import runpy
-import sys
-from pathlib import Path
 
 import hvd_acp.codecs.int8 as int8
+from run_script import run_script
 
-script = Path(sys.argv[1]).resolve()
 int8.Int8PQCodec.__init__.__defaults__ = (float(os.environ["HEADROOM"]),
                                            float(os.environ.get("MAX_GROWTH", "1")))
-sys.path.insert(0, str(script.parent))
-sys.argv = [str(script), *sys.argv[2:]]
-runpy.run_path(str(script), run_name="__main__")
+run_script()

@@ -9,16 +9,11 @@ under any launcher::
         scripts/trainer_lm.py --method acp --int8-factors --matrix-rank 0.2 --seed 1 ...
 """
 import os
-import runpy
-import sys
-from pathlib import Path
 
 from hvd_acp.settings import Settings
+from run_script import run_script
 
-script = Path(sys.argv[1]).resolve()
 lead = Settings.lead_codecs
 steps = int(os.environ["LEAD_STEPS"])
 Settings.lead_codecs = lambda self: lead(self) * steps
-sys.path.insert(0, str(script.parent))
-sys.argv = [str(script), *sys.argv[2:]]
-runpy.run_path(str(script), run_name="__main__")
+run_script()

@@ -15,9 +15,6 @@ levels resolve it more finely. Under any launcher::
 """
 import math
 import os
-import runpy
-import sys
-from pathlib import Path
 
 import torch
 
@@ -25,6 +22,7 @@ import hvd_acp.codecs as codecs
 import hvd_acp.codecs.int8 as int8
 from hvd_acp.compression import compress_both_
 from hvd_acp.lanes import quantize_
+from run_script import run_script
 
 _ROT = {}
 
@@ -87,7 +85,4 @@ class RotatedInt8PQCodec(int8.Int8PQCodec):
 
 codecs.Int8PQCodec = RotatedInt8PQCodec        # the settings make the codec by this name
 
-script = Path(sys.argv[1]).resolve()
-sys.path.insert(0, str(script.parent))
-sys.argv = [str(script), *sys.argv[2:]]
-runpy.run_path(str(script), run_name="__main__")
+run_script()

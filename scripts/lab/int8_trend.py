@@ -15,12 +15,10 @@ launcher::
         scripts/trainer_lm.py --method acp --int8-factors --matrix-rank 0.2 --seed 1 ...
 """
 import os
-import runpy
-import sys
-from pathlib import Path
 
 import hvd_acp.codecs as codecs
 import hvd_acp.codecs.int8 as int8
+from run_script import run_script
 
 GMAX = float(os.environ.get("GMAX", "4"))
 _BEFORE = {}
@@ -50,7 +48,4 @@ class TrendInt8PQCodec(int8.Int8PQCodec):
 
 codecs.Int8PQCodec = TrendInt8PQCodec
 
-script = Path(sys.argv[1]).resolve()
-sys.path.insert(0, str(script.parent))
-sys.argv = [str(script), *sys.argv[2:]]
-runpy.run_path(str(script), run_name="__main__")
+run_script()

@@ -14,11 +14,9 @@ an element takes (32 / (32 // b)). Under any launcher::
         --matrix-rank 0.25 ...
 """
 import os
-import runpy
-import sys
-from pathlib import Path
 
 import hvd_acp.lanes as lanes
+from run_script import run_script
 
 bits = int(os.environ["LANE_BITS"])
 lanes.LANES_PER_WORD = 32 // bits
@@ -26,7 +24,4 @@ lanes._BASE = 2 ** bits
 lanes.DIGIT_MAX = 2 ** (bits - 1) - 1
 assert lanes.DIGIT_MAX * sum(lanes._BASE ** k for k in range(lanes.LANES_PER_WORD)) < 2 ** 31
 
-script = Path(sys.argv[1]).resolve()
-sys.path.insert(0, str(script.parent))
-sys.argv = [str(script), *sys.argv[2:]]
-runpy.run_path(str(script), run_name="__main__")
+run_script()
