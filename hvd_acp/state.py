@@ -111,7 +111,7 @@ class CompressedTensor:
         self.layout = layout
         self.p = p.to(dtype=layout.dtype, device=self.error.device).contiguous()
         self.q = q.to(dtype=layout.dtype, device=self.error.device).contiguous()
-        self.previous_maxima = None                    # of other columns
+        self.previous_maxima = None                    # the new rank's columns have none
 
     def transpose(self, basis: Tensor) -> Tensor:
         """``basis.T``, the view made once per basis."""

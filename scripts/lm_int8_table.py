@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import List
@@ -153,10 +154,9 @@ def seeds_section(page: Path = None) -> List[str]:
                 gaps = [runs[k] / reference[k] - 1 for k in seeds]
                 if len(gaps) < 2:
                     continue
-                mean = sum(gaps) / len(gaps)
-                sd = (sum((g - mean) ** 2 for g in gaps) / (len(gaps) - 1)) ** 0.5
+                mean, sd = statistics.fmean(gaps), statistics.stdev(gaps)
                 first = [g for k, g in zip(seeds, gaps) if k < 3]
-                first_mean = f"{sum(first) / len(first):+.2%}" if first else "-"
+                first_mean = f"{statistics.fmean(first):+.2%}" if first else "-"
                 lines.append(
                     f"| {LABELS.get(setting, setting)} | {rate} | {seeds[0]}-{seeds[-1]} "
                     f"({len(seeds)}) | {', '.join(f'{g:+.2%}' for g in gaps)} "
