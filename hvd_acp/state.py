@@ -84,7 +84,7 @@ class CompressedTensor:
     """
 
     __slots__ = ("layout", "p", "q", "error", "previous_maxima", "_error_shaped", "_basis_t",
-                 "_sent")
+                 "_sent", "codec_scratch")
 
     def __init__(self, layout: TensorLayout, generator: torch.Generator,
                  device: torch.device) -> None:
@@ -103,6 +103,9 @@ class CompressedTensor:
         #: A copy of this rank's payload for a residual computed after the
         #: launch (the all-reduce writes the average over the slot); made once per shape.
         self._sent: Optional[Tensor] = None
+        #: What a codec's encode worked out for its commit in the same step
+        #: (the 8-bit codec's column steps); the codec checks it still holds.
+        self.codec_scratch = None
 
     def resize_(self, layout: TensorLayout, p: Tensor, q: Tensor) -> None:
         """Take a new rank (``layout.r``) with the factors ``p`` (n, r) and

@@ -63,13 +63,18 @@ def column_steps(factor: Tensor, headroom: float, levels: int,
     module's text), times the column's growth from ``before`` (the column
     maxima of the average before that one, shape (1, r)) within
     ``[1, max_growth]``; shape (1, r), > 0."""
+    return _steps_and_maxima(factor, headroom, levels, before, max_growth)[0]
+
+
+def _steps_and_maxima(factor, headroom, levels, before, max_growth) -> Tuple[Tensor, Tensor]:
+    """:func:`column_steps` and the :func:`column_maxima` it read."""
     largest = column_maxima(factor)
     floor = (largest.amax() * _FLOOR_SHARE).clamp_min(torch.finfo(factor.dtype).tiny)
     steps = torch.maximum(largest, floor).mul_(headroom / levels)
     if before is not None and max_growth > 1:
         steps.mul_((largest / before.clamp_min(torch.finfo(factor.dtype).tiny))
                    .clamp_(1.0, max_growth))
-    return steps
+    return steps, largest
 
 
 class Int8PQCodec(PQCodec):
@@ -95,9 +100,25 @@ class Int8PQCodec(PQCodec):
     def steps(self, tensor) -> Tuple[Tensor, Tensor]:
         """The steps of ``P``'s and ``Q``'s columns, from the factors kept
         and the column maxima of the averages before them."""
+        return self._steps_and_maxima(tensor)[0]
+
+    def _steps_and_maxima(self, tensor):
+        """``(steps, column maxima)`` of ``(P, Q)``, worked out once a step:
+        the encode's are the commit's while the factors are unchanged
+        (``tensor.codec_scratch`` keeps them with the factors' versions)."""
+        key = (self, tensor.p, tensor.q, tensor.p._version, tensor.q._version,
+               tensor.previous_maxima)
+        scratch = tensor.codec_scratch
+        if scratch is not None and all(a is b or (type(a) is int and a == b)
+                                       for a, b in zip(scratch[0], key)):
+            return scratch[1]
         before = tensor.previous_maxima or (None, None)
-        return (column_steps(tensor.p, self.headroom, self.levels, before[0], self.max_growth),
-                column_steps(tensor.q, self.headroom, self.levels, before[1], self.max_growth))
+        (step_p, max_p), (step_q, max_q) = (
+            _steps_and_maxima(factor, self.headroom, self.levels, prior, self.max_growth)
+            for factor, prior in zip((tensor.p, tensor.q), before))
+        result = ((step_p, step_q), (max_p, max_q))
+        tensor.codec_scratch = (key, result)
+        return result
 
     def encode_(self, tensor, basis, out):
         compress_both_(None, tensor.error, basis[0], basis[1], out)
@@ -113,7 +134,8 @@ class Int8PQCodec(PQCodec):
         step_p, step_q = self.steps(tensor)          # before the factors change
         averaged[:n].mul_(step_p)
         averaged[n:].mul_(step_q)
-        tensor.previous_maxima = (column_maxima(tensor.p), column_maxima(tensor.q))
+        tensor.previous_maxima = self._steps_and_maxima(tensor)[1]
+        tensor.codec_scratch = None
         return super().commit_(tensor, averaged)
 
     def counted_twice(self, tensor, basis, out):
