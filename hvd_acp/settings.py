@@ -175,7 +175,7 @@ class Settings:
        factors (1-D tensors and uncompressed matrices keep ``fp16_wire``'s,
        in buffers of their own). The scale of each factor column is the last
        step's average of it (identical on every rank), times its growth
-       from the average before (up to 4x, so that gradients growing
+       from the average before (up to 2x, so that gradients growing
        through a warm-up are not clipped), and the error
        feedback keeps what rounding and clipping leave out
        (:mod:`hvd_acp.codecs.int8`). A rank has ``127 // N`` levels either

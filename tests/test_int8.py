@@ -95,7 +95,7 @@ def test_the_steps_grow_with_the_averages_and_the_maxima_are_checkpointed():
         state._bases, state._bases_codec = {}, None
     growth = (tensor.p.abs().amax(dim=0, keepdim=True) / tensor.previous_maxima[0])
     assert (growth > 1).any()
-    expected = column_steps(tensor.p, codec.headroom, codec.levels) * growth.clamp(1, 4)
+    expected = column_steps(tensor.p, codec.headroom, codec.levels) * growth.clamp(1, codec.max_growth)
     assert torch.allclose(codec.steps(tensor)[0], expected)
     saved = state.state_dict(rank=0, world_size=1)
     assert set(saved["params"]["w"]) == {"P", "Q", "P_previous_maxima", "Q_previous_maxima",

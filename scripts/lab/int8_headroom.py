@@ -3,8 +3,8 @@
 ``Int8PQCodec`` scales each factor column by ``headroom`` times its last
 average (hvd_acp/codecs/int8.py); the library fixes it. This runs SCRIPT
 with the codec's default headroom replaced and its growth off (the study
-ran before the steps followed their columns' growth; ``MAX_GROWTH=4`` for
-the library's), under any launcher::
+ran before the steps followed their columns' growth; ``MAX_GROWTH=2`` for
+the library's, 4 for the library's before it), under any launcher::
 
     HEADROOM=4 .venv/bin/torchrun --nproc-per-node 2 scripts/lab/int8_headroom.py \\
         scripts/trainer_lm.py --method acp --int8-factors --matrix-rank 0.2 --seed 1 ...
