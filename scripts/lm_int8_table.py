@@ -37,14 +37,15 @@ NAME = re.compile(r"(?P<setting>.+)_lr(?P<rate>[0-9.e-]+)_s(?P<seed>\d+)\.json")
 LABELS = {"acp_int8_share_0_2":
           "ACP-SGD, int8 factors, share 0.2, steps from the last average alone (before the growth)",
           "acp_int8_trend_share_0_2":
-          "ACP-SGD, int8 factors, share 0.2 (the library's: steps follow the growth, up to 4x)",
+          "ACP-SGD, int8 factors, share 0.2, steps follow the growth up to 4x (the library's before 2x)",
           "acp_int8_growth2_share_0_2":
-          "ACP-SGD, int8 factors, share 0.2, steps follow the growth up to 2x (study)",
+          "ACP-SGD, int8 factors, share 0.2 (the library's: steps follow the growth, up to 2x)",
           "acp_int8_sa0_share_0_2":
           "ACP-SGD, int8 factors, share 0.2, step-ahead 0 (before the growth)",
           "acp_int8_sa0_1_share_0_2":
           "ACP-SGD, int8 factors, share 0.2, step-ahead 0.1 (before the growth)",
-          "acp_budget_1_40_growth": "ACP-SGD, budget=0.025 (1/40)",
+          "acp_budget_1_40_growth": "ACP-SGD, budget=0.025 (1/40), growth up to 4x",
+          "acp_budget_1_40_growth2": "ACP-SGD, budget=0.025 (1/40) (the library's: growth up to 2x)",
           "acp_int8_k4_share_0_2": "ACP-SGD, int8 factors, share 0.2, headroom 4 (before the growth)",
           "acp_int8_k8_share_0_2": "ACP-SGD, int8 factors, share 0.2, headroom 8 (before the growth)",
           "acp_int8_lead20_share_0_2": "ACP-SGD, int8 factors, share 0.2, 20 float steps first (before the growth)",
@@ -56,6 +57,8 @@ LABELS = {"acp_int8_share_0_2":
           "acp_int8_adapt_share_0_2":
           "ACP-SGD, int8 factors, share 0.2, headroom following the clipping (study, before the growth)",
           "acp_lanes6_share_0_25": "ACP-SGD, 6-bit lanes, share 0.25 (study, before the growth)",
+          "acp_lanes6_growth2_share_0_25":
+          "ACP-SGD, 6-bit lanes, share 0.25, steps follow the growth up to 2x (study)",
           "acp_lanes5_share_0_3": "ACP-SGD, 5-bit lanes, share 0.3 (study, before the growth)",
           "acp_fp16_share_0_1": "ACP-SGD, fp16 factors, share 0.1 (the 8-bit factors' bytes)",
           "acp_int8_share_0_25": "ACP-SGD, int8 factors, share 0.25 (before the growth)",

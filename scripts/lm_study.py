@@ -194,8 +194,8 @@ FRONTIER = (
 FRONTIER_ONLY = {"ACP-SGD, P and Q in turn, sign update": ("train_lm_np4",)}
 #: Settings whose runs live in another study's folder, by the name of their
 #: summaries there (bench-results/lm_int8/, scripts/lm_int8_table.py).
-ELSEWHERE = {"ACP-SGD, 8-bit factors, share 0.2": ("lm_int8", "acp_int8_trend_share_0_2"),
-             "ACP-SGD, budget 1/40": ("lm_int8", "acp_budget_1_40_growth")}
+ELSEWHERE = {"ACP-SGD, 8-bit factors, share 0.2": ("lm_int8", "acp_int8_growth2_share_0_2"),
+             "ACP-SGD, budget 1/40": ("lm_int8", "acp_budget_1_40_growth2")}
 
 
 def frontier_settings(recipe: Recipe):
