@@ -115,6 +115,21 @@ def test_the_steps_grow_with_the_averages_and_the_maxima_are_checkpointed():
                        column_steps(tensor.p, codec.headroom, codec.levels))
 
 
+def test_the_steps_are_worked_out_once_and_again_when_the_factors_change():
+    # The encode's steps are the commit's (one reading of the column maxima a
+    # step), but never stale: a factor changed in place gets new steps.
+    state = _state(world=1)
+    state.step_count = 1
+    tensor, codec = state.tensors["w"], state.codec
+    first = codec.steps(tensor)
+    assert codec.steps(tensor)[0] is first[0]
+    tensor.p.mul_(3.0)
+    again = codec.steps(tensor)
+    assert again[0] is not first[0]
+    assert torch.equal(again[0], column_steps(tensor.p, codec.headroom, codec.levels))
+    assert torch.equal(again[1], first[1])
+
+
 def _state(world=2):
     settings = hvd_acp.Settings(matrix_rank=3, int8_factors=True, step_ahead=0).resolve()
     state = CompressionState(settings, world_size=world)
