@@ -29,7 +29,8 @@ RUNS = REPO / "bench-results" / "lm_int8"
 REFERENCE = REPO / "bench-results" / "lm_adam"
 #: More seeds of a recipe: S-SGD and the settings side by side, beyond seeds 0-2.
 MORE_SEEDS = REPO / "bench-results" / "lm_int8_seeds"
-TITLES = {"train_lm_np4": "examples/train_lm.py, 4 ranks (1,000 steps)",
+TITLES = {"train_lm_np2": "examples/train_lm.py, 2 ranks (1,000 steps)",
+          "train_lm_np4": "examples/train_lm.py, 4 ranks (1,000 steps)",
           "user_lm_np4": "scripts/user_lm.py, 4 ranks (400 steps)",
           "user_lm_np8": "scripts/user_lm.py, 8 ranks (400 steps)",
           "trainer_lm_np2": "scripts/trainer_lm.py: the Trainer's GPT-2, 2 ranks (300 steps)"}
