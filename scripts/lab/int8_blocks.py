@@ -38,6 +38,7 @@ def block_steps(factor, headroom, levels):
 class BlockInt8PQCodec(int8.Int8PQCodec):
     def __init__(self, levels, headroom=float(os.environ.get("HEADROOM", "2"))):
         super().__init__(levels, headroom)
+
     def steps(self, tensor):
         return (block_steps(tensor.p, self.headroom, self.levels),
                 block_steps(tensor.q, self.headroom, self.levels))

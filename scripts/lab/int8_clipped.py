@@ -19,6 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 
+import hvd_acp.codecs as codecs
 import hvd_acp.codecs.int8 as int8
 from hvd_acp.compression import compress_both_
 from hvd_acp.lanes import quantize_
@@ -54,8 +55,16 @@ def counting_encode_(self, tensor, basis, out):
     return factor
 
 
-int8.Int8PQCodec.encode_ = counting_encode_
-if "MAX_GROWTH" in os.environ:
-    int8.Int8PQCodec.__init__.__defaults__ = (2.0, float(os.environ["MAX_GROWTH"]))
+_GROWTH = {"max_growth": float(os.environ["MAX_GROWTH"])} if "MAX_GROWTH" in os.environ else {}
+
+
+class CountingInt8PQCodec(int8.Int8PQCodec):
+    encode_ = counting_encode_
+
+    def __init__(self, levels):
+        super().__init__(levels, **_GROWTH)
+
+
+codecs.Int8PQCodec = CountingInt8PQCodec        # the settings make the codec by this name
 
 run_script()

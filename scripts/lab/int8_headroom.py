@@ -13,9 +13,16 @@ the library's, 4 for the library's before it), under any launcher::
 """
 import os
 
+import hvd_acp.codecs as codecs
 import hvd_acp.codecs.int8 as int8
 from run_script import run_script
 
-int8.Int8PQCodec.__init__.__defaults__ = (float(os.environ["HEADROOM"]),
-                                           float(os.environ.get("MAX_GROWTH", "1")))
+
+class HeadroomInt8PQCodec(int8.Int8PQCodec):
+    def __init__(self, levels):
+        super().__init__(levels, float(os.environ["HEADROOM"]),
+                         float(os.environ.get("MAX_GROWTH", "1")))
+
+
+codecs.Int8PQCodec = HeadroomInt8PQCodec        # the settings make the codec by this name
 run_script()

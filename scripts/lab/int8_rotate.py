@@ -61,6 +61,7 @@ def rotate(x, inverse=False):
 class RotatedInt8PQCodec(int8.Int8PQCodec):
     def __init__(self, levels, headroom=float(os.environ.get("HEADROOM", "2"))):
         super().__init__(levels, headroom)
+
     def steps(self, tensor):
         return (int8.column_steps(rotate(tensor.p), self.headroom, self.levels),
                 int8.column_steps(rotate(tensor.q), self.headroom, self.levels))
