@@ -12,16 +12,34 @@ an element takes (32 / (32 // b)). Under any launcher::
     LANE_BITS=6 .venv/bin/horovodrun -np 4 -H localhost:4 --gloo .venv/bin/python \\
         scripts/lab/narrow_lanes.py scripts/user_lm.py --optimizer acp --int8-factors \\
         --matrix-rank 0.25 ...
+
+With LANE_DIGITS=d instead, a word carries d balanced digits of the largest even base B
+whose digit sums within ``B / 2 - 1`` keep the word within int32 (d = 5: base 84, so a
+rank has ``41 // N`` levels, 20, 10 and 5 at 2, 4 and 8 ranks, where 6-bit digits leave
+15, 7 and 3, at the same 6.4 bits an element): hvd_acp.lanes reads balanced digits of any
+base, so only the base changes.
 """
 import os
 
 import hvd_acp.lanes as lanes
 from run_script import run_script
 
-bits = int(os.environ["LANE_BITS"])
-lanes.LANES_PER_WORD = 32 // bits
-lanes._BASE = 2 ** bits
-lanes.DIGIT_MAX = 2 ** (bits - 1) - 1
+
+def word_fits(base: int, digits: int) -> bool:
+    """Whether ``digits`` balanced digits of ``base`` whose sums stay within
+    ``base / 2 - 1`` keep an int32 word within range."""
+    return (base // 2 - 1) * sum(base ** k for k in range(digits)) < 2 ** 31
+
+
+if "LANE_DIGITS" in os.environ:
+    lanes.LANES_PER_WORD = int(os.environ["LANE_DIGITS"])
+    lanes._BASE = max(base for base in range(4, 2 ** 16, 2)
+                      if word_fits(base, lanes.LANES_PER_WORD))
+else:
+    bits = int(os.environ["LANE_BITS"])
+    lanes.LANES_PER_WORD = 32 // bits
+    lanes._BASE = 2 ** bits
+lanes.DIGIT_MAX = lanes._BASE // 2 - 1
 assert lanes.DIGIT_MAX * sum(lanes._BASE ** k for k in range(lanes.LANES_PER_WORD)) < 2 ** 31
 
 run_script()
