@@ -33,7 +33,8 @@ TITLES = {"train_lm_np2": "examples/train_lm.py, 2 ranks (1,000 steps)",
           "train_lm_np4": "examples/train_lm.py, 4 ranks (1,000 steps)",
           "user_lm_np4": "scripts/user_lm.py, 4 ranks (400 steps)",
           "user_lm_np8": "scripts/user_lm.py, 8 ranks (400 steps)",
-          "trainer_lm_np2": "scripts/trainer_lm.py: the Trainer's GPT-2, 2 ranks (300 steps)"}
+          "trainer_lm_np2": "scripts/trainer_lm.py: the Trainer's GPT-2, 2 ranks (300 steps)",
+          "trainer_lm_np4": "scripts/trainer_lm.py: the Trainer's GPT-2, 4 ranks (300 steps)"}
 NAME = re.compile(r"(?P<setting>.+)_lr(?P<rate>[0-9.e-]+)_s(?P<seed>\d+)\.json")
 LABELS = {"acp_int8_share_0_2":
           "ACP-SGD, int8 factors, share 0.2, steps from the last average alone (before the growth)",
@@ -60,12 +61,17 @@ LABELS = {"acp_int8_share_0_2":
           "acp_lanes6_share_0_25": "ACP-SGD, 6-bit lanes, share 0.25 (study, before the growth)",
           "acp_lanes6_growth2_share_0_25":
           "ACP-SGD, 6-bit lanes, share 0.25, steps follow the growth up to 2x (study)",
+          "acp_radix84_growth2_share_0_25":
+          "ACP-SGD, 5 digits of base 84 a word (6.4 bits), share 0.25, steps follow the growth up to 2x (study)",
           "acp_lanes5_share_0_3": "ACP-SGD, 5-bit lanes, share 0.3 (study, before the growth)",
           "acp_fp16_share_0_1": "ACP-SGD, fp16 factors, share 0.1 (the 8-bit factors' bytes)",
           "acp_int8_share_0_25": "ACP-SGD, int8 factors, share 0.25 (before the growth)",
           "acp_int8_share_0_06": "ACP-SGD, int8 factors, share 0.06 (before the growth)",
           "acp_budget_1_40": "ACP-SGD, budget=0.025 (1/40), before the growth",
-          "acp_budget_1_13": "ACP-SGD, budget=0.077 (1/13)",
+          "acp_budget_1_13": "ACP-SGD, budget=0.077 (1/13): share 0.21 (the library's)",
+          "acp_sgd_defaults": "ACP-SGD, the defaults (share 0.3, fp16 factors: 0.21 of the bytes)",
+          "demo_style_k_1": "DeMo-style, k 1 (receives more than it sends)",
+          "s_sgd": "S-SGD",
           "tsr_r32_k10_scale8": "TSR-style, r 32, K 10, scale 8",
           "tsr_r32_k10_scale1": "TSR-style, r 32, K 10, scale 1"}
 
@@ -122,11 +128,11 @@ def section(page: Path = None) -> List[str]:
 
 
 def _seeds_of(setting: str, recipe: str, rate: str) -> dict:
-    """Final losses by seed: seeds 0-2 where the tables above have them, then
-    bench-results/lm_int8_seeds/ (S-SGD is ``s_sgd``)."""
+    """Final losses by seed: seeds 0-2 where the tables above have them (the
+    8-bit runs, or the defaults' and S-SGD's in bench-results/lm_adam/),
+    then bench-results/lm_int8_seeds/ (S-SGD is ``s_sgd``)."""
     found = {}
-    first = REFERENCE if setting == "s_sgd" else RUNS
-    for folder in (first / recipe, MORE_SEEDS / recipe):
+    for folder in (RUNS / recipe, REFERENCE / recipe, MORE_SEEDS / recipe):
         for path in sorted(folder.glob(f"{setting}_lr{rate}_s*.json")):
             match = NAME.fullmatch(path.name)
             if match and match["setting"] == setting:
