@@ -71,7 +71,6 @@ LABELS = {"acp_int8_share_0_2":
           "acp_budget_1_13": "ACP-SGD, budget=0.077 (1/13): share 0.21 (the library's)",
           "acp_sgd_defaults": "ACP-SGD, the defaults (share 0.3, fp16 factors: 0.21 of the bytes)",
           "demo_style_k_1": "DeMo-style, k 1 (receives more than it sends)",
-          "s_sgd": "S-SGD",
           "tsr_r32_k10_scale8": "TSR-style, r 32, K 10, scale 8",
           "tsr_r32_k10_scale1": "TSR-style, r 32, K 10, scale 1"}
 

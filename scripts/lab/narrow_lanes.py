@@ -5,9 +5,9 @@ hvd_acp.lanes packs four 8-bit balanced digits to an int32 word, so N ranks have
 ``127 // N`` levels each and an element costs a byte. With LANE_BITS=b the same code packs
 ``32 // b`` digits of b bits to a word (6 bits: five a word, 6.4 bits an element; 5 bits: six,
 5.33 bits), each digit's sum within ``2^(b-1) - 1``, so a rank has ``(2^(b-1) - 1) // N``
-levels (6 bits at 4 ranks: 7) and a higher rank fits the same bytes. The scripts' byte counts
-still price an element at a byte; the study's tables scale them by ``b' / 8``, ``b'`` the bits
-an element takes (32 / (32 // b)). Under any launcher::
+levels (6 bits at 4 ranks: 7) and a higher rank fits the same bytes. The scripts count the
+int32 words sent, so their bytes (and the tables' shares of S-SGD's) are the narrow lanes'
+own: ``32 / (32 // b)`` bits an element. Under any launcher::
 
     LANE_BITS=6 .venv/bin/horovodrun -np 4 -H localhost:4 --gloo .venv/bin/python \\
         scripts/lab/narrow_lanes.py scripts/user_lm.py --optimizer acp --int8-factors \\
@@ -40,6 +40,6 @@ else:
     lanes.LANES_PER_WORD = 32 // bits
     lanes._BASE = 2 ** bits
 lanes.DIGIT_MAX = lanes._BASE // 2 - 1
-assert lanes.DIGIT_MAX * sum(lanes._BASE ** k for k in range(lanes.LANES_PER_WORD)) < 2 ** 31
+assert word_fits(lanes._BASE, lanes.LANES_PER_WORD)
 
 run_script()
