@@ -63,6 +63,10 @@ LABELS = {"acp_int8_share_0_2":
           "ACP-SGD, 6-bit lanes, share 0.25, steps follow the growth up to 2x (study)",
           "acp_radix84_growth2_share_0_25":
           "ACP-SGD, 5 digits of base 84 a word (6.4 bits), share 0.25, steps follow the growth up to 2x (study)",
+          "acp_int8_stochastic_share_0_2":
+          "ACP-SGD, int8 factors, share 0.2, levels rounded at random, steps up to 2x (study)",
+          "acp_int8_k1_5_growth2_share_0_2":
+          "ACP-SGD, int8 factors, share 0.2, headroom 1.5, steps up to 2x (study)",
           "acp_lanes5_share_0_3": "ACP-SGD, 5-bit lanes, share 0.3 (study, before the growth)",
           "acp_fp16_share_0_1": "ACP-SGD, fp16 factors, share 0.1 (the 8-bit factors' bytes)",
           "acp_int8_share_0_25": "ACP-SGD, int8 factors, share 0.25 (before the growth)",
